@@ -1,0 +1,732 @@
+"""The embedded ledger store: one append-only SQLite file (WAL mode).
+
+What it does, and what it deliberately keeps simple:
+- Every record (call or outcome) is written in its own transaction as it completes, and
+  is never updated or deleted (SQLite triggers refuse both). Each carries a SHA-256 of
+  its content and a chain hash over all earlier records of its table, so
+  `check()` finds an altered, reordered or removed record and names it.
+- Prompts are stored as `PromptDelta`s against the best of a few candidate earlier
+  calls of the same session (the caller's hint, then the most recent calls). The
+  candidates' contexts are cached in memory as tuples of immutable array pieces, so a
+  500-call session never copies or stores its growing prompt 500 times. A prompt that
+  shares more with an older, uncached call is still stored correctly, only less
+  compactly; `tidal.tree` rebuilds the exact prefix tree either way.
+- Many writers (threads or processes) may append at once: each append is one
+  `BEGIN IMMEDIATE` transaction with a busy timeout. WAL with synchronous=NORMAL
+  survives a killed process with every committed record intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tidal.ledger.types import (
+    Call,
+    IdArray,
+    LedgerError,
+    Outcome,
+    PromptDelta,
+    Status,
+    StoredCall,
+    validate_call,
+)
+
+SCHEMA_VERSION = 1
+_EMPTY_IDS: IdArray = np.zeros(0, np.int32)
+_CANDIDATES = 4  # most recent calls of a session compared against a new prompt
+_CACHED_SESSIONS = 512
+_MAX_PIECES = 128
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    task_id TEXT,
+    parent_session_id TEXT,
+    parent_call_id TEXT,
+    first_seq INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS calls (
+    seq INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    call_id TEXT NOT NULL,
+    role TEXT NOT NULL,
+    base_call_id TEXT,
+    prefix_len INTEGER NOT NULL,
+    prompt_len INTEGER NOT NULL,
+    output_len INTEGER NOT NULL,
+    suffix_ids BLOB NOT NULL,
+    output_ids BLOB NOT NULL,
+    output_logprobs BLOB NOT NULL,
+    header TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    chain_hash TEXT NOT NULL,
+    UNIQUE (session_id, call_id)
+);
+CREATE TABLE IF NOT EXISTS outcomes (
+    seq INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL UNIQUE,
+    body TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    chain_hash TEXT NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS calls_no_update BEFORE UPDATE ON calls
+    BEGIN SELECT RAISE(ABORT, 'ledger is append-only: calls cannot be updated'); END;
+CREATE TRIGGER IF NOT EXISTS calls_no_delete BEFORE DELETE ON calls
+    BEGIN SELECT RAISE(ABORT, 'ledger is append-only: calls cannot be deleted'); END;
+CREATE TRIGGER IF NOT EXISTS outcomes_no_update BEFORE UPDATE ON outcomes
+    BEGIN SELECT RAISE(ABORT, 'ledger is append-only: outcomes cannot be updated'); END;
+CREATE TRIGGER IF NOT EXISTS outcomes_no_delete BEFORE DELETE ON outcomes
+    BEGIN SELECT RAISE(ABORT, 'ledger is append-only: outcomes cannot be deleted'); END;
+CREATE TRIGGER IF NOT EXISTS sessions_no_update BEFORE UPDATE ON sessions
+    BEGIN SELECT RAISE(ABORT, 'ledger is append-only: sessions cannot be updated'); END;
+"""
+
+_GENESIS = "0" * 64
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sha(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.hexdigest()
+
+
+def _chain(prev: str, content_hash: str) -> str:
+    return hashlib.sha256((prev + content_hash).encode()).hexdigest()
+
+
+def _call_header(call: Call, delta: PromptDelta) -> str:
+    return canonical_json(
+        {
+            "session_id": call.session_id,
+            "call_id": call.call_id,
+            "role": call.role,
+            "task_id": call.task_id,
+            "parent_call_id": call.parent_call_id,
+            "parent_session_id": call.parent_session_id,
+            "base_call_id": delta.base_call_id,
+            "prefix_len": delta.prefix_len,
+            "prompt_len": delta.prompt_len,
+            "output_len": int(call.output_ids.shape[0]),
+            "output_text": call.output_text,
+            "raw_tool_calls": call.raw_tool_calls,
+            "tool_calls": call.tool_calls,
+            "policy_version": call.policy_version,
+            "finish_reason": call.finish_reason,
+            "started_at": call.started_at,
+            "ended_at": call.ended_at,
+            "sampling": call.sampling,
+            "metadata": call.metadata,
+        }
+    )
+
+
+def _call_hash(header: str, suffix: bytes, output: bytes, logprobs: bytes) -> str:
+    return _sha(header.encode(), suffix, output, logprobs)
+
+
+# ------------------------------------------------------------------ prefix arithmetic
+
+Pieces = tuple[IdArray, ...]  # a context as immutable array pieces, concatenated
+
+
+def _pieces_len(pieces: Pieces) -> int:
+    return sum(int(p.shape[0]) for p in pieces)
+
+
+def _truncate(pieces: Pieces, n: int) -> Pieces:
+    out: list[IdArray] = []
+    left = n
+    for p in pieces:
+        if left <= 0:
+            break
+        if p.shape[0] <= left:
+            out.append(p)
+            left -= int(p.shape[0])
+        else:
+            out.append(p[:left])
+            left = 0
+    return tuple(out)
+
+
+def common_prefix_len(a: IdArray, b: IdArray) -> int:
+    """Length of the longest common prefix of two 1-D arrays."""
+    m = min(a.shape[0], b.shape[0])
+    if m == 0:
+        return 0
+    if np.array_equal(a[:m], b[:m]):
+        return int(m)
+    return int(np.argmax(a[:m] != b[:m]))
+
+
+def _prefix_against(prompt: IdArray, pieces: Pieces) -> int:
+    """Longest common prefix of `prompt` with the concatenation of `pieces`."""
+    off = 0
+    for p in pieces:
+        n = common_prefix_len(prompt[off:], p)
+        off += n
+        if n < p.shape[0]:
+            break
+    return off
+
+
+# ------------------------------------------------------------------------- read side
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    task_id: str | None
+    parent_session_id: str | None
+    parent_call_id: str | None
+    n_calls: int
+
+
+class CallLog:
+    """All calls of one session, prompts kept as deltas; materialises on demand.
+
+    Memory is about the size of the stored arrays (suffixes, outputs, logprobs), not
+    the sum of prompt lengths.
+    """
+
+    def __init__(self, session_id: str, calls: Sequence[StoredCall]) -> None:
+        self.session_id = session_id
+        self.calls: tuple[StoredCall, ...] = tuple(calls)
+        self._by_id = {c.call_id: c for c in self.calls}
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __getitem__(self, call_id: str) -> StoredCall:
+        return self._by_id[call_id]
+
+    def __contains__(self, call_id: object) -> bool:
+        return call_id in self._by_id
+
+    def _chain(self, call_id: str) -> list[StoredCall]:
+        chain = [self._by_id[call_id]]
+        seen = {call_id}
+        while (base := chain[-1].prompt.base_call_id) is not None:
+            if base in seen or base not in self._by_id:
+                raise LedgerError(
+                    f"session {self.session_id!r}: call {chain[-1].call_id!r} has a broken "
+                    f"prefix reference to {base!r}"
+                )
+            seen.add(base)
+            chain.append(self._by_id[base])
+        return chain
+
+    def context_ids(self, call_id: str) -> IdArray:
+        """The call's prompt followed by its output."""
+        return self._build(call_id, with_output=True)
+
+    def prompt_ids(self, call_id: str) -> IdArray:
+        return self._build(call_id, with_output=False)
+
+    def _build(self, call_id: str, *, with_output: bool) -> IdArray:
+        chain = self._chain(call_id)
+        cap = max(c.context_len for c in chain)  # >= final: the chain head is one of them
+        buf = np.empty(cap, np.int32)
+        n = 0
+        for i, sc in enumerate(reversed(chain)):
+            n = sc.prompt.prefix_len
+            s = sc.prompt.suffix_ids
+            buf[n : n + s.shape[0]] = s
+            n += int(s.shape[0])
+            if with_output or i < len(chain) - 1:
+                o = sc.call.output_ids
+                buf[n : n + o.shape[0]] = o
+                n += int(o.shape[0])
+        return buf[:n].copy() if n < cap // 2 else buf[:n]
+
+    def full_call(self, call_id: str) -> Call:
+        """The call with its full prompt, as it was appended."""
+        sc = self._by_id[call_id]
+        return replace(sc.call, prompt_ids=self.prompt_ids(call_id))
+
+
+# ------------------------------------------------------------------------------ store
+
+
+class LedgerStore:
+    """An append-only ledger in one SQLite file. Safe to share between threads.
+
+    Open one per process; several processes may open the same file at once.
+    """
+
+    def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
+        self.path = Path(path)
+        if readonly and not self.path.exists():
+            raise LedgerError(f"no ledger store at {self.path}")
+        if not readonly:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
+        try:
+            self._db = sqlite3.connect(
+                uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False
+            )
+            self._db.execute("PRAGMA busy_timeout = 60000")
+            if not readonly:
+                self._db.execute("PRAGMA journal_mode = WAL")
+                self._db.execute("PRAGMA synchronous = NORMAL")
+                self._db.executescript(_SCHEMA)
+                self._init_meta()
+            self._check_schema()
+        except sqlite3.DatabaseError as e:
+            raise LedgerError(f"{self.path} is not a readable tidal ledger store: {e}") from e
+        self._lock = threading.RLock()
+        self._contexts: OrderedDict[str, OrderedDict[str, Pieces]] = OrderedDict()
+
+    # ---------------------------------------------------------------- housekeeping
+    def _init_meta(self) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+            (str(SCHEMA_VERSION),),
+        )
+
+    def _check_schema(self) -> None:
+        row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None or int(row[0]) != SCHEMA_VERSION:
+            raise LedgerError(
+                f"{self.path}: unsupported ledger schema version {row[0] if row else None}"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> LedgerStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------- writes
+    def append_call(self, call: Call, *, base_hint: str | None = None) -> StoredCall:
+        """Validate and commit one call. `base_hint` names a call whose context the prompt
+        probably extends (the gateway knows it); it is checked, never trusted."""
+        return self.append_calls([call], base_hints=[base_hint])[0]
+
+    def append_calls(
+        self, calls: Sequence[Call], *, base_hints: Sequence[str | None] | None = None
+    ) -> list[StoredCall]:
+        """Commit several calls in one transaction: all of them or none."""
+        calls = [validate_call(c) for c in calls]
+        hints = list(base_hints) if base_hints is not None else [None] * len(calls)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                out = [self._insert_call(c, h) for c, h in zip(calls, hints, strict=True)]
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                self._forget([c.session_id for c in calls])
+                raise
+        return out
+
+    def append_outcome(self, outcome: Outcome) -> None:
+        """Commit a session's outcome. A session has at most one."""
+        self.append_outcomes([outcome])
+
+    def append_outcomes(self, outcomes: Sequence[Outcome]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for o in outcomes:
+                    self._insert_outcome(o)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def append_records(self, calls: Sequence[Call], outcomes: Sequence[Outcome]) -> None:
+        """Commit calls then outcomes in one transaction (the JSONL importer's path)."""
+        calls = [validate_call(c) for c in calls]
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for c in calls:
+                    self._insert_call(c, None)
+                for o in outcomes:
+                    self._insert_outcome(o)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                self._forget([c.session_id for c in calls])
+                raise
+
+    def _forget(self, session_ids: Iterable[str]) -> None:
+        for s in set(session_ids):
+            self._contexts.pop(s, None)
+
+    def _session_cache(self, session_id: str) -> OrderedDict[str, Pieces]:
+        cache = self._contexts.get(session_id)
+        if cache is None:
+            cache = OrderedDict()
+            # Another process may have written this session: seed with its latest call.
+            row = self._db.execute(
+                "SELECT call_id FROM calls WHERE session_id=? ORDER BY seq DESC LIMIT 1",
+                (session_id,),
+            ).fetchone()
+            if row is not None:
+                log = self.call_log(session_id)
+                cache[row[0]] = (log.context_ids(row[0]),)
+            self._contexts[session_id] = cache
+            while len(self._contexts) > _CACHED_SESSIONS:
+                self._contexts.popitem(last=False)
+        else:
+            self._contexts.move_to_end(session_id)
+        return cache
+
+    def _context_pieces(self, session_id: str, call_id: str) -> Pieces | None:
+        cache = self._session_cache(session_id)
+        if call_id in cache:
+            return cache[call_id]
+        row = self._db.execute(
+            "SELECT 1 FROM calls WHERE session_id=? AND call_id=?", (session_id, call_id)
+        ).fetchone()
+        if row is None:
+            return None
+        return (self.call_log(session_id).context_ids(call_id),)
+
+    def _insert_call(self, call: Call, hint: str | None) -> StoredCall:
+        db = self._db
+        where = f"call {call.call_id!r} of session {call.session_id!r}"
+        if db.execute(
+            "SELECT 1 FROM calls WHERE session_id=? AND call_id=?",
+            (call.session_id, call.call_id),
+        ).fetchone():
+            raise LedgerError(f"{where}: already in the ledger (call ids are unique per session)")
+        self._check_parent(call, where)
+        sess = db.execute(
+            "SELECT task_id, parent_session_id FROM sessions WHERE session_id=?",
+            (call.session_id,),
+        ).fetchone()
+        if sess is not None:
+            if call.task_id is not None and sess[0] is not None and call.task_id != sess[0]:
+                raise LedgerError(
+                    f"{where}: task_id {call.task_id!r} differs from the session's {sess[0]!r}"
+                )
+            if (
+                call.parent_session_id is not None
+                and sess[1] is not None
+                and call.parent_session_id != sess[1]
+            ):
+                raise LedgerError(
+                    f"{where}: parent_session_id {call.parent_session_id!r} differs from the "
+                    f"session's {sess[1]!r}"
+                )
+
+        # Choose the base: the hint, then the session's most recent calls.
+        cache = self._session_cache(call.session_id)
+        candidates: list[tuple[str, Pieces]] = []
+        if hint is not None:
+            pieces = self._context_pieces(call.session_id, hint)
+            if pieces is not None:
+                candidates.append((hint, pieces))
+        for cid in reversed(list(cache.keys())[-_CANDIDATES:]):
+            if cid != hint:
+                candidates.append((cid, cache[cid]))
+        prompt = call.prompt_ids
+        best_id: str | None = None
+        best_len = 0
+        best_pieces: Pieces = ()
+        for cid, pieces in candidates:
+            if _pieces_len(pieces) <= best_len:
+                continue  # cannot beat the best match so far
+            n = _prefix_against(prompt, pieces)
+            if n > best_len:
+                best_id, best_len, best_pieces = cid, n, pieces
+        suffix = prompt[best_len:].copy()
+        output = call.output_ids.copy()
+        delta = PromptDelta(best_id, best_len, suffix)
+
+        header = _call_header(call, delta)
+        sb, ob, lb = suffix.tobytes(), output.tobytes(), call.output_logprobs.tobytes()
+        content = _call_hash(header, sb, ob, lb)
+        prev = db.execute("SELECT chain_hash FROM calls ORDER BY seq DESC LIMIT 1").fetchone()
+        chain = _chain(prev[0] if prev else _GENESIS, content)
+        cur = db.execute(
+            "INSERT INTO calls (session_id, call_id, role, base_call_id, prefix_len, prompt_len,"
+            " output_len, suffix_ids, output_ids, output_logprobs, header, content_hash,"
+            " chain_hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                call.session_id, call.call_id, call.role, best_id, best_len, delta.prompt_len,
+                int(output.shape[0]), sb, ob, lb, header, content, chain,
+            ),
+        )
+        seq = int(cur.lastrowid or 0)
+        if sess is None:
+            db.execute(
+                "INSERT INTO sessions (session_id, task_id, parent_session_id, parent_call_id,"
+                " first_seq) VALUES (?,?,?,?,?)",
+                (call.session_id, call.task_id, call.parent_session_id, call.parent_call_id, seq),
+            )
+        pieces = (*_truncate(best_pieces, best_len), suffix, output)
+        if len(pieces) > _MAX_PIECES:  # keep comparisons vectorised: one copy per ~64 calls
+            pieces = (np.concatenate(pieces),)
+        cache[call.call_id] = pieces
+        while len(cache) > 2 * _CANDIDATES:
+            cache.popitem(last=False)
+        stored_call = replace(call, prompt_ids=_EMPTY_IDS, output_ids=output)
+        return StoredCall(seq=seq, call=stored_call, prompt=delta, content_hash=content)
+
+    def _check_parent(self, call: Call, where: str) -> None:
+        if call.parent_call_id is not None:
+            psid = call.parent_session_id or call.session_id
+            if not self._db.execute(
+                "SELECT 1 FROM calls WHERE session_id=? AND call_id=?",
+                (psid, call.parent_call_id),
+            ).fetchone():
+                raise LedgerError(
+                    f"{where}: parent call {call.parent_call_id!r} of session {psid!r} is not "
+                    "in the ledger (dangling parent); write the parent first"
+                )
+        elif call.parent_session_id is not None and not self._db.execute(
+            "SELECT 1 FROM sessions WHERE session_id=?", (call.parent_session_id,)
+        ).fetchone():
+            raise LedgerError(
+                f"{where}: parent session {call.parent_session_id!r} is not in the ledger "
+                "(dangling parent)"
+            )
+
+    def _insert_outcome(self, o: Outcome) -> None:
+        where = f"outcome of session {o.session_id!r}"
+        if self._db.execute(
+            "SELECT 1 FROM outcomes WHERE session_id=?", (o.session_id,)
+        ).fetchone():
+            raise LedgerError(f"{where}: the session already has an outcome (append-only)")
+        recorded = o.recorded_at or time.time()
+        body = canonical_json(
+            {
+                "session_id": o.session_id,
+                "status": o.status.value,
+                "reward": o.reward,
+                "partial_score": o.partial_score,
+                "details": o.details,
+                "recorded_at": recorded,
+            }
+        )
+        content = _sha(body.encode())
+        prev = self._db.execute(
+            "SELECT chain_hash FROM outcomes ORDER BY seq DESC LIMIT 1"
+        ).fetchone()
+        self._db.execute(
+            "INSERT INTO outcomes (session_id, body, content_hash, chain_hash) VALUES (?,?,?,?)",
+            (o.session_id, body, content, _chain(prev[0] if prev else _GENESIS, content)),
+        )
+
+    # ----------------------------------------------------------------------- reads
+    _CALL_COLS = (
+        "seq, session_id, call_id, base_call_id, prefix_len, prompt_len, output_len,"
+        " suffix_ids, output_ids, output_logprobs, header, content_hash"
+    )
+
+    @staticmethod
+    def _row_to_stored(row: Sequence[Any]) -> StoredCall:
+        (seq, _sid, _cid, base, prefix_len, _plen, _olen, sb, ob, lb, header, content) = row
+        h = json.loads(header)
+        suffix = np.frombuffer(sb, dtype=np.int32)
+        call = Call(
+            session_id=h["session_id"],
+            call_id=h["call_id"],
+            role=h["role"],
+            prompt_ids=_EMPTY_IDS,
+            output_ids=np.frombuffer(ob, dtype=np.int32),
+            output_logprobs=np.frombuffer(lb, dtype=np.float32),
+            output_text=h["output_text"],
+            policy_version=h["policy_version"],
+            finish_reason=h["finish_reason"],
+            started_at=h["started_at"],
+            ended_at=h["ended_at"],
+            raw_tool_calls=h["raw_tool_calls"],
+            tool_calls=h["tool_calls"],
+            parent_call_id=h["parent_call_id"],
+            parent_session_id=h["parent_session_id"],
+            task_id=h["task_id"],
+            sampling=h["sampling"],
+            metadata=h["metadata"],
+        )
+        return StoredCall(
+            seq=int(seq), call=call, prompt=PromptDelta(base, int(prefix_len), suffix),
+            content_hash=content,
+        )
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT session_id FROM sessions ORDER BY first_seq").fetchall()
+        return [r[0] for r in rows]
+
+    def sessions(self) -> list[SessionInfo]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT s.session_id, s.task_id, s.parent_session_id, s.parent_call_id,"
+                " (SELECT COUNT(*) FROM calls c WHERE c.session_id = s.session_id)"
+                " FROM sessions s ORDER BY s.first_seq"
+            ).fetchall()
+        return [SessionInfo(*r) for r in rows]
+
+    def call_log(self, session_id: str) -> CallLog:
+        """Every call of the session in commit order."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {self._CALL_COLS} FROM calls WHERE session_id=? ORDER BY seq",
+                (session_id,),
+            ).fetchall()
+        return CallLog(session_id, [self._row_to_stored(r) for r in rows])
+
+    def iter_calls(self) -> Iterator[StoredCall]:
+        """Every call in commit order, prompts as deltas."""
+        with self._lock:
+            cur = self._db.execute(f"SELECT {self._CALL_COLS} FROM calls ORDER BY seq")
+            rows = cur.fetchall()
+        for r in rows:
+            yield self._row_to_stored(r)
+
+    def iter_full_calls(self) -> Iterator[Call]:
+        """Every call in commit order with its full prompt (for export and audits)."""
+        for sid in self.session_ids():
+            log = self.call_log(sid)
+            for sc in log.calls:
+                yield log.full_call(sc.call_id)
+
+    def outcome(self, session_id: str) -> Outcome | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT body FROM outcomes WHERE session_id=?", (session_id,)
+            ).fetchone()
+        return _outcome_from_body(row[0]) if row else None
+
+    def outcomes(self) -> dict[str, Outcome]:
+        with self._lock:
+            rows = self._db.execute("SELECT body FROM outcomes ORDER BY seq").fetchall()
+        out = [_outcome_from_body(r[0]) for r in rows]
+        return {o.session_id: o for o in out}
+
+    def count_calls(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM calls").fetchone()[0])
+
+    # ------------------------------------------------------------------ integrity
+    def check(self) -> list[str]:
+        """Re-verify every hash, chain link and prefix reference. Returns the problems
+        found (empty when the store is sound), each naming its record."""
+        problems: list[str] = []
+        with self._lock:
+            ic = self._db.execute("PRAGMA quick_check").fetchall()
+            if [r[0] for r in ic] != ["ok"]:
+                problems.extend(f"sqlite: {r[0]}" for r in ic)
+            rows = self._db.execute(f"SELECT {self._CALL_COLS}, chain_hash, role FROM calls"
+                                    " ORDER BY seq").fetchall()
+            orows = self._db.execute(
+                "SELECT seq, session_id, body, content_hash, chain_hash FROM outcomes ORDER BY seq"
+            ).fetchall()
+        prev = _GENESIS
+        ctx_len: dict[tuple[str, str], int] = {}
+        for r in rows:
+            seq, sid, cid, base, prefix_len, plen, olen, sb, ob, lb, header, content = r[:12]
+            chain, role = r[12], r[13]
+            name = f"call {cid!r} of session {sid!r} (seq {seq})"
+            try:
+                h = json.loads(header)
+            except json.JSONDecodeError:
+                problems.append(f"{name}: header is not valid JSON")
+                h = {}
+            if _call_hash(header, sb, ob, lb) != content:
+                problems.append(f"{name}: content hash mismatch (record altered)")
+            if _chain(prev, content) != chain:
+                problems.append(f"{name}: chain hash mismatch (a record before it was altered, "
+                                "removed or reordered)")
+            prev = chain
+            if h and (
+                h.get("session_id") != sid or h.get("call_id") != cid or h.get("role") != role
+                or h.get("base_call_id") != base or h.get("prefix_len") != prefix_len
+                or h.get("prompt_len") != plen or h.get("output_len") != olen
+            ):
+                problems.append(f"{name}: indexed columns disagree with the hashed header")
+            if len(sb) % 4 or len(ob) % 4 or len(lb) != len(ob):
+                problems.append(f"{name}: token blobs have inconsistent sizes")
+            elif prefix_len + len(sb) // 4 != plen or len(ob) // 4 != olen:
+                problems.append(f"{name}: prompt/output lengths disagree with stored tokens")
+            if base is not None:
+                blen = ctx_len.get((sid, base))
+                if blen is None:
+                    problems.append(f"{name}: prefix reference to {base!r}, which is not an "
+                                    "earlier call of the session")
+                elif prefix_len > blen:
+                    problems.append(f"{name}: prefix length {prefix_len} exceeds the context "
+                                    f"length {blen} of base call {base!r}")
+            elif prefix_len != 0:
+                problems.append(f"{name}: prefix length {prefix_len} without a base call")
+            pcid = h.get("parent_call_id")
+            if pcid is not None and (h.get("parent_session_id") or sid, pcid) not in ctx_len:
+                problems.append(f"{name}: parent call {pcid!r} is not an earlier call")
+            ctx_len[(sid, cid)] = plen + olen
+        oprev = _GENESIS
+        for seq, sid, body, content, chain in orows:
+            name = f"outcome of session {sid!r} (seq {seq})"
+            if _sha(body.encode()) != content:
+                problems.append(f"{name}: content hash mismatch (record altered)")
+            if _chain(oprev, content) != chain:
+                problems.append(f"{name}: chain hash mismatch")
+            oprev = chain
+            try:
+                _outcome_from_body(body)
+            except (LedgerError, ValueError, KeyError) as e:
+                problems.append(f"{name}: invalid body: {e}")
+        return problems
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, int]:
+        """Sizes of the store. `unique_tokens` counts stored tokens (prompt suffixes plus
+        outputs); `prompt_tokens_total` is what storing full prompts would have cost."""
+        with self._lock:
+            sessions, calls, suffix, prompt, output = self._db.execute(
+                "SELECT (SELECT COUNT(*) FROM sessions), COUNT(*),"
+                " COALESCE(SUM(prompt_len - prefix_len), 0), COALESCE(SUM(prompt_len), 0),"
+                " COALESCE(SUM(output_len), 0) FROM calls"
+            ).fetchone()
+            outcomes = self._db.execute("SELECT COUNT(*) FROM outcomes").fetchone()[0]
+        size = sum(
+            p.stat().st_size
+            for p in (self.path, Path(f"{self.path}-wal"))
+            if p.exists()
+        )
+        return {
+            "sessions": int(sessions),
+            "calls": int(calls),
+            "outcomes": int(outcomes),
+            "unique_tokens": int(suffix + output),
+            "prompt_tokens_total": int(prompt),
+            "output_tokens": int(output),
+            "bytes": int(size),
+        }
+
+
+def _outcome_from_body(body: str) -> Outcome:
+    d = json.loads(body)
+    return Outcome(
+        session_id=d["session_id"],
+        status=Status(d["status"]),
+        reward=float(d["reward"]),
+        partial_score=float(d["partial_score"]),
+        details=d["details"],
+        recorded_at=float(d["recorded_at"]),
+    )
