@@ -1,0 +1,85 @@
+"""Malformed input gets a clear error naming the session and the call."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.ledger.store import LedgerStore
+from tidal.ledger.types import Outcome, Status
+from tidal.tree.episode import SessionData
+from tidal.tree.process import process_sessions, process_store
+from tidal.tree.synth import SynthWriter, write_linear
+from tidal.tree.trie import TreeError
+
+from .conftest import stored
+
+
+def test_cycle_in_session_links() -> None:
+    a = SessionData("A", (stored(1, "A", "a0", None, 0, [1], [2], parent_session="B",
+                                 parent_call="b0"),), None)
+    b = SessionData("B", (stored(2, "B", "b0", None, 0, [3], [4], parent_session="A",
+                                 parent_call="a0"),), None)
+    with pytest.raises(TreeError, match=r"session 'B', call 'b0': parent links form a cycle "
+                                        r"\(A -> B -> A\)"):
+        process_sessions([a, b])
+
+
+def test_cycle_in_call_links() -> None:
+    s = SessionData("S", (
+        stored(1, "S", "c0", None, 0, [1], [2], parent_call="c1"),
+        stored(2, "S", "c1", None, 0, [3], [4], parent_call="c0"),
+    ), None)
+    with pytest.raises(TreeError, match=r"session 'S', call 'c0': parent call 'c1' is not an "
+                                        r"earlier call.*cycle"):
+        process_sessions([s])
+
+
+def test_missing_prefix_reference() -> None:
+    s = SessionData("S", (stored(1, "S", "c0", None, 0, [1], [2]),
+                          stored(2, "S", "c1", "gone", 1, [3], [4])), None)
+    with pytest.raises(TreeError, match=r"session 'S', call 'c1': prefix reference to call "
+                                        r"'gone'"):
+        process_sessions([s])
+    # Not strict: the episode is reported with its error and masked; others go on.
+    ok = SessionData("T", (stored(3, "T", "t0", None, 0, [1], [2]),),
+                     Outcome("T", Status.COMPLETE, 1.0))
+    res = process_sessions([s, ok], strict=False)
+    reps = {e.episode_id: e for e in res.episodes}
+    assert reps["S"].masked and reps["S"].error is not None and "'c1'" in reps["S"].error
+    assert [t.tree_id for t in res.trees] == ["T"]
+
+
+def test_dangling_subagent_link() -> None:
+    s = SessionData("S", (stored(1, "S", "c0", None, 0, [1], [2], parent_session="P",
+                                 parent_call="p0"),), None)
+    with pytest.raises(TreeError, match=r"session 'S', call 'c0': parent session 'P' is not"):
+        process_sessions([s])
+    p = SessionData("P", (stored(2, "P", "p9", None, 0, [1], [2]),), None)
+    with pytest.raises(TreeError, match=r"session 'S', call 'c0': parent call 'p0' of session "
+                                        r"'P' is not in the input"):
+        process_sessions([p, s])
+
+
+def test_session_with_no_calls(store: LedgerStore, writer: SynthWriter) -> None:
+    write_linear(writer, "x")
+    writer.outcome("x")
+    store.append_outcome(Outcome("ghost", Status.COMPLETE, 1.0))
+    with pytest.raises(TreeError, match=r"session 'ghost' has no calls"):
+        process_store(store)
+    with pytest.raises(TreeError, match=r"session 'empty' has no calls"):
+        process_sessions([SessionData("empty", (), None)])
+
+
+def test_tree_package_stays_light() -> None:
+    """tidal.tree is pure Python + numpy: importing it pulls in no torch and no HTTP."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tidal.tree, tidal.tree.cli, tidal.tree.html, tidal.tree.synth; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'fastapi', 'httpx', 'uvicorn', 'openai')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
