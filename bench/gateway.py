@@ -1,0 +1,158 @@
+"""Added latency of the recording gateway over calling the engine in process.
+
+For each call, `added = end-to-end HTTP time (client side) - engine time of that call`,
+where the engine time is what `Engine.generate` took inside the gateway (returned in the
+`X-Tidal-Engine-Ms` header). "Added" therefore covers HTTP parsing, validation,
+rendering, TITO assembly and drift checks, tokenization, tool-call parsing, the ledger
+commit (SQLite, WAL) and the response. Sessions are multi-turn chats whose history grows,
+so every call after the first goes through the token-in-token-out splice.
+
+Engine: the embedded transformers engine on the tiny model, max_tokens small, CPU.
+Target: p50 added < 2 ms. Run: `.venv/bin/python bench/gateway.py [--calls N]`; prints
+JSON. The HTTP clients run in a child process (their own GIL). On a shared 2-core
+machine the figures include CPU contention with the engine's torch threads, the clients
+and whatever else runs; `load_avg_1m` is printed with them. `instant_engine` repeats the
+measurement with an engine that answers at once, to isolate the gateway's own cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+class InstantEngine:
+    """A deterministic policy that answers at once (one fixed token, then the stop token):
+    isolates the gateway's own cost from the engine's CPU use. Diagnostic only."""
+
+    def __init__(self, stop_id: int, model_name: str = "tiny") -> None:
+        self._stop = stop_id
+        self._name = model_name
+
+    model_name = property(lambda self: self._name)
+    policy_version = property(lambda self: 0)
+    max_context = property(lambda self: 32768)
+
+    def generate(self, prompts: Any, params: Any) -> list[Any]:
+        from tidal.engine.base import Generation
+
+        ids = np.asarray([9707, self._stop][: params.max_tokens], dtype=np.int32)
+        return [Generation(ids, np.zeros(len(ids), np.float32), "stop", 0) for _ in prompts]
+
+    def update_weights(self, source: str, version: int) -> None:
+        pass
+
+
+Sample = tuple[float, float, float]  # end-to-end, engine, in-process gateway (seconds)
+
+
+def run_session(base: str, sid: str, n_calls: int, max_tokens: int) -> list[Sample]:
+    out = []
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a bench agent."}]
+    with httpx.Client(base_url=f"{base}/sessions/{sid}/v1", timeout=300) as client:
+        for i in range(n_calls):
+            msgs.append({"role": "user", "content": f"step {i}: report status"})
+            body = {"model": "tiny", "messages": msgs, "max_tokens": max_tokens, "seed": i}
+            t0 = time.perf_counter()
+            r = client.post("/chat/completions", json=body)
+            e2e = time.perf_counter() - t0
+            r.raise_for_status()
+            engine = float(r.headers["x-tidal-engine-ms"]) / 1e3
+            inproc = float(r.headers["x-tidal-gateway-ms"]) / 1e3
+            msgs.append(
+                {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+            )
+            out.append((e2e, engine, inproc))
+    return out
+
+
+def client_load(
+    base: str, prefix: str, n_sessions: int, n_calls: int, max_tokens: int
+) -> list[Sample]:
+    """Run `n_sessions` concurrent sessions (one thread each); runs in a child process so
+    that the HTTP clients do not share the gateway's GIL."""
+    with ThreadPoolExecutor(n_sessions) as pool:
+        futs = [
+            pool.submit(run_session, base, f"{prefix}{k}", n_calls, max_tokens)
+            for k in range(n_sessions)
+        ]
+        return [s for f in futs for s in f.result()]
+
+
+def stats(samples: list[Sample]) -> dict[str, float]:
+    def pct(values: list[float], q: float) -> float:
+        return round(float(np.percentile(np.asarray(values) * 1e3, q)), 3)
+
+    added = [e - g for e, g, _ in samples]
+    return {
+        "calls": len(samples),
+        "added_ms_p50": pct(added, 50),
+        "added_ms_p99": pct(added, 99),
+        "in_process_ms_p50": pct([i for _, _, i in samples], 50),
+        "e2e_ms_p50": pct([e for e, _, _ in samples], 50),
+        "engine_ms_p50": pct([g for _, g, _ in samples], 50),
+    }
+
+
+def measure(engine: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from tidal.gateway.server import GatewayServer
+    from tidal.ledger.store import LedgerStore
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LedgerStore(Path(tmp) / "bench.db")
+        with GatewayServer(engine, tokenizer, store) as srv:
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(1, mp_context=ctx) as clients:
+                load = partial(clients.submit, client_load, srv.base_url)
+                load("warmup", 1, 3, args.max_tokens).result()
+                out["sessions_1"] = stats(load("one", 1, args.calls, args.max_tokens).result())
+                out["sessions_32"] = stats(
+                    load("c", 32, args.calls_concurrent, args.max_tokens).result()
+                )
+            out["recorded_calls"] = store.count_calls()
+        store.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=40, help="calls per session at 1 session")
+    ap.add_argument("--calls-concurrent", type=int, default=8, help="calls per session at 32")
+    ap.add_argument("--max-tokens", type=int, default=2)
+    args = ap.parse_args()
+
+    from tidal.engine.embedded import EmbeddedEngine
+    from tidal.engine.tiny import ensure_tiny, load_tokenizer
+
+    model = ensure_tiny()
+    tokenizer = load_tokenizer(model)
+    result: dict[str, Any] = {
+        "bench": "gateway_added_latency",
+        "max_tokens": args.max_tokens,
+        "target_p50_ms": 2.0,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    engine = EmbeddedEngine(model, model_name="tiny", max_batch_size=32, seed=0)
+    result["embedded_tiny_cpu"] = measure(engine, tokenizer, args)
+    engine.close()
+    stop = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    result["instant_engine"] = measure(InstantEngine(stop), tokenizer, args)
+    result["target_met_p50"] = result["embedded_tiny_cpu"]["sessions_1"]["added_ms_p50"] < 2.0
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,549 @@
+"""The gateway's core: one request in, one recorded call and one OpenAI response out.
+
+No HTTP here (see `server.py`): `Gateway.chat` and `Gateway.completion` take a parsed
+JSON body and a `Route` (session, parent, task, role) and return an `Answer`: the
+response object, the data the streaming encoder needs, and timings. Order of work, so
+that nothing is half-written on error: validate everything (model, messages, tools,
+sampling, session, parent, context length) -> generate -> parse tool calls -> commit the
+call to the ledger -> remember the turn for token-in-token-out -> answer.
+
+Sessions: `Route.session_id` picks the session. Without one (plain `/v1/...` and no
+header) the gateway looks for a session that issued one of the request's tool-call ids
+or produced one of its assistant turns, else starts a fresh `auto-...` session.
+
+Deliberately simplified: `n` must be 1; stop strings are refused (only the family's stop
+tokens end a turn, so the recorded output is exactly what was sampled); `top_logprobs`
+is accepted but answered with empty lists (engines return the sampled token's logprob
+only); `tool_choice` "required" or a named function is recorded and passed to nothing
+(no constrained decoding): the model may still answer in prose. The policy version is the
+engine's (bumped by `Engine.update_weights`) and is taken from each generation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
+from tidal.gateway.drift import RecordedToolCall
+from tidal.gateway.family import ChatFamily, GatewayError, detect_family
+from tidal.gateway.messages import RequestError, parse_messages, parse_tools
+from tidal.gateway.render import Renderer
+from tidal.gateway.tito import RecordedTurn, SessionTurns, assemble_prompt, turn_key
+from tidal.gateway.toolcalls import ParsedOutput, parse_output
+from tidal.ledger.store import LedgerStore
+from tidal.ledger.types import ID_PATTERN, ROLE_PATTERN, Call, LedgerError
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Route:
+    """Who a request belongs to. `session_id=None`: pick or start one automatically."""
+
+    session_id: str | None = None
+    parent_call_id: str | None = None
+    parent_session_id: str | None = None
+    task_id: str | None = None
+    role: str | None = None
+
+    def validate(self) -> None:
+        for name in ("session_id", "parent_call_id", "parent_session_id", "task_id"):
+            v = getattr(self, name)
+            if v is not None and not ID_PATTERN.match(v):
+                raise RequestError(
+                    f"invalid {name.replace('_', ' ')} {v!r}: use 1-128 characters from "
+                    "[A-Za-z0-9._:@+-], starting with a letter or digit",
+                    param=name,
+                    code=f"invalid_{name}",
+                )
+        if self.role is not None and not ROLE_PATTERN.match(self.role):
+            raise RequestError(
+                f"invalid role {self.role!r}: use a lowercase name like 'main'",
+                param="role",
+                code="invalid_role",
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class Answer:
+    """A finished call: the OpenAI response body plus what streaming and headers need."""
+
+    body: dict[str, Any]
+    session_id: str
+    call_id: str
+    engine_s: float
+    total_s: float
+    token_texts: tuple[str, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _int(body: Mapping[str, Any], key: str, default: int | None, lo: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise RequestError(f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    return v
+
+
+def _float(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise RequestError(f"{key} must be a number in [{lo}, {hi}], got {v!r}", param=key)
+    return float(v)
+
+
+class Gateway:
+    """Serves OpenAI-style requests from an `Engine`, recording every call in a ledger."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        store: LedgerStore,
+        *,
+        family: ChatFamily | None = None,
+        model_aliases: tuple[str, ...] = (),
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.family = family or detect_family(getattr(tokenizer, "chat_template", None))
+        self.renderer = Renderer(tokenizer, self.family)
+        self.model_names = (engine.model_name, *model_aliases)
+        self.default_max_tokens = default_max_tokens
+        self._lock = threading.Lock()
+        self._sessions: dict[str, SessionTurns] = {}
+        self._tool_owner: dict[str, str] = {}  # tool-call id -> session
+        self._key_owner: dict[str, str] = {}  # turn key -> session
+        self._call_owner: dict[str, str] = {}  # call id -> session
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def forget_session(self, session_id: str) -> bool:
+        """Drop a finished session's in-memory turns (the ledger keeps everything). Later
+        requests of that session are then served without token-in-token-out for the
+        turns before it. Returns whether the session was known."""
+        with self._lock:
+            known = self._sessions.pop(session_id, None) is not None
+            for index in (self._tool_owner, self._key_owner, self._call_owner):
+                for k in [k for k, v in index.items() if v == session_id]:
+                    del index[k]
+        return known
+
+    # ---------------------------------------------------------------- helpers
+    def _check_model(self, body: Mapping[str, Any]) -> None:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise RequestError("model is required (a string)", param="model")
+        if model not in self.model_names:
+            raise RequestError(
+                f"the model {model!r} does not exist; this gateway serves "
+                f"{', '.join(map(repr, self.model_names))}",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
+
+    def _sampling(self, body: Mapping[str, Any], prompt_len: int) -> SamplingParams:
+        if _int(body, "n", 1, 1) != 1:
+            raise RequestError(
+                "n must be 1: each choice is its own recorded call; send several requests",
+                param="n",
+            )
+        stop = body.get("stop")
+        if stop not in (None, [], ""):
+            raise RequestError(
+                "stop strings are not supported: a turn ends at the model family's stop "
+                "tokens, so the recorded output is exactly what was sampled",
+                param="stop",
+            )
+        limit = self.engine.max_context
+        room = limit - prompt_len
+        asked = _int(body, "max_completion_tokens", None, 1)
+        asked = _int(body, "max_tokens", asked, 1)
+        if room < 1 or (asked is not None and asked > room):
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{prompt_len} tokens and {asked or 1} more were requested",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        max_tokens = asked if asked is not None else min(self.default_max_tokens, room)
+        seed = _int(body, "seed", None, 0)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_float(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+                top_k=_int(body, "top_k", 0, 0) or 0,
+                stop_token_ids=self.renderer.stop_ids,
+                seed=seed,
+            )
+        except EngineError as e:
+            raise RequestError(str(e), param="sampling") from e
+
+    def _session_for(self, route: Route, keys: list[str], tool_ids: list[str]) -> str:
+        if route.session_id is not None:
+            return route.session_id
+        with self._lock:
+            for t in tool_ids:
+                if t in self._tool_owner:
+                    return self._tool_owner[t]
+            for k in keys:
+                if k in self._key_owner:
+                    return self._key_owner[k]
+        return f"auto-{uuid.uuid4().hex[:16]}"
+
+    def _turns(self, session_id: str) -> SessionTurns:
+        with self._lock:
+            t = self._sessions.get(session_id)
+            if t is None:
+                t = self._sessions[session_id] = SessionTurns()
+            return t
+
+    def _parent(self, route: Route, session_id: str) -> tuple[str | None, str | None]:
+        pc = route.parent_call_id
+        if pc is None:
+            return None, route.parent_session_id
+        with self._lock:
+            psid = route.parent_session_id or self._call_owner.get(pc)
+        if psid is None or (psid not in self._sessions and pc not in self.store.call_log(psid)):
+            raise RequestError(
+                f"parent call {pc!r} is not a call this gateway recorded; name its session "
+                "with X-Tidal-Parent-Session if another process wrote it",
+                param="parent_call_id",
+                code="invalid_parent_call_id",
+            )
+        if psid == session_id:
+            raise RequestError(
+                "a subagent session must differ from its parent's session",
+                param="session_id",
+                code="invalid_session_id",
+            )
+        return pc, psid
+
+    def token_texts(self, ids: np.ndarray) -> tuple[str, ...]:
+        out = []
+        for i in ids.tolist():
+            s = self._token_text.get(i)
+            if s is None:
+                s = self._token_text[i] = self.renderer.decode([i])
+            out.append(s)
+        return tuple(out)
+
+    def _generate(self, prompt: np.ndarray, params: SamplingParams) -> tuple[Generation, float]:
+        t0 = time.perf_counter()
+        try:
+            gen = self.engine.generate([prompt], params)[0]
+        except EngineError as e:
+            raise RequestError(
+                f"the engine refused the request: {e}", param=None, code="engine_error"
+            ) from e
+        return gen, time.perf_counter() - t0
+
+    def _commit(self, call: Call, base_hint: str | None) -> None:
+        try:
+            self.store.append_call(call, base_hint=base_hint)
+        except LedgerError as e:
+            raise RequestError(
+                f"the ledger refused the call: {e}",
+                code="ledger_error",
+                status=409 if "already" in str(e) else 400,
+            ) from e
+
+    # ---------------------------------------------------------------- chat
+    def chat(self, body: Mapping[str, Any], route: Route) -> Answer:
+        t_start = time.perf_counter()
+        started = time.time()
+        route.validate()
+        self._check_model(body)
+        messages = parse_messages(body.get("messages"))
+        tools = parse_tools(body.get("tools"))
+        tool_choice = body.get("tool_choice", "auto" if tools else "none")
+        names = frozenset(t["function"]["name"] for t in tools or [])
+        if isinstance(tool_choice, Mapping):
+            fn = tool_choice.get("function")
+            if not isinstance(fn, Mapping) or fn.get("name") not in names:
+                raise RequestError(
+                    "tool_choice names a function that is not in tools",
+                    param="tool_choice",
+                    code="invalid_tool_schema",
+                )
+        elif tool_choice not in ("none", "auto", "required"):
+            raise RequestError(
+                f"tool_choice must be none, auto, required or a function, got {tool_choice!r}",
+                param="tool_choice",
+            )
+        want_logprobs = bool(body.get("logprobs"))
+        _int(body, "top_logprobs", 0, 0)
+        keys = (
+            [
+                turn_key(m.content, [(c.name, c.arguments) for c in m.tool_calls])
+                for m in messages
+                if m.role == "assistant"
+            ]
+            if route.session_id is None
+            else []
+        )
+        tool_ids = [c.id for m in messages for c in m.tool_calls if c.id]
+        session_id = self._session_for(route, keys, tool_ids)
+        parent_call, parent_session = self._parent(route, session_id)
+        turns = self._turns(session_id)
+        try:
+            plan = assemble_prompt(messages, tools, turns, self.renderer)
+        except GatewayError as e:
+            raise RequestError(str(e), param="messages", code="template_error") from e
+        params = self._sampling(body, int(plan.prompt_ids.shape[0]))
+        gen, engine_s = self._generate(plan.prompt_ids, params)
+
+        out_ids = gen.output_ids
+        ends_stop = (
+            gen.finish_reason == "stop"
+            and out_ids.size > 0
+            and int(out_ids[-1]) in params.stop_token_ids
+        )
+        visible = out_ids[:-1] if ends_stop else out_ids
+        text = self.renderer.decode(visible.tolist())
+        known = names if tools and tool_choice != "none" else None
+        parsed: ParsedOutput = parse_output(text, self.family.tool_call_formats, known)
+        call_id = f"call-{uuid.uuid4().hex[:20]}"
+        tc_list = [
+            RecordedToolCall(f"call_{uuid.uuid4().hex[:24]}", t.name, t.arguments)
+            for t in parsed.tool_calls
+        ]
+        client_calls = [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in tc_list
+        ]
+        finish = gen.finish_reason if not tc_list else "tool_calls"
+        role = route.role or ("subagent" if parent_call or parent_session else "main")
+        meta = plan.metadata()
+        meta["request"] = {
+            "endpoint": "chat.completions",
+            "n_messages": len(messages),
+            "tools": sorted(names),
+            "tool_choice": tool_choice if isinstance(tool_choice, str) else dict(tool_choice),
+        }
+        meta["tool_call_formats"] = sorted({t.format for t in parsed.tool_calls})
+        call = Call(
+            session_id=session_id,
+            call_id=call_id,
+            role=role,
+            prompt_ids=plan.prompt_ids,
+            output_ids=out_ids,
+            output_logprobs=gen.logprobs,
+            output_text=self.renderer.decode(out_ids.tolist()),
+            policy_version=int(gen.policy_version),
+            finish_reason=gen.finish_reason,
+            started_at=started,
+            ended_at=max(time.time(), started),
+            raw_tool_calls=parsed.raw_tool_calls,
+            tool_calls=[{"id": t.id, "name": t.name, "arguments": t.arguments} for t in tc_list]
+            or None,
+            parent_call_id=parent_call,
+            parent_session_id=parent_session,
+            task_id=route.task_id,
+            sampling={
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k,
+                "seed": params.seed,
+                "stop_token_ids": list(params.stop_token_ids),
+            },
+            metadata=meta,
+        )
+        self._commit(call, plan.base_hint)
+        turns.add(
+            RecordedTurn(
+                call_id,
+                len(messages),
+                plan.prefix_fp,
+                int(plan.prompt_ids.shape[0]),
+                out_ids,
+                parsed.content,
+                tuple(tc_list),
+            )
+        )
+        with self._lock:
+            self._call_owner[call_id] = session_id
+            if route.session_id is None:  # only automatic sessions are found by content
+                for t in tc_list:
+                    self._tool_owner[t.id] = session_id
+                key = turn_key(parsed.content, [(t.name, t.arguments) for t in tc_list])
+                self._key_owner[key] = session_id
+        texts = self.token_texts(out_ids) if want_logprobs or body.get("stream") else ()
+        msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if client_calls:
+            msg["tool_calls"] = client_calls
+        n_prompt, n_out = int(plan.prompt_ids.shape[0]), int(out_ids.shape[0])
+        body_out = {
+            "id": f"chatcmpl-{call_id}",
+            "object": "chat.completion",
+            "created": int(started),
+            "model": self.engine.model_name,
+            "system_fingerprint": f"tidal-policy-{gen.policy_version}",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": msg,
+                    "finish_reason": finish,
+                    "logprobs": {"content": _lp_entries(texts, gen.logprobs)}
+                    if want_logprobs
+                    else None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+            },
+            "tidal": {
+                "session_id": session_id,
+                "call_id": call_id,
+                "policy_version": int(gen.policy_version),
+                "drift": len(plan.drift),
+            },
+        }
+        return Answer(
+            body_out,
+            session_id,
+            call_id,
+            engine_s,
+            time.perf_counter() - t_start,
+            texts,
+            tuple(float(x) for x in gen.logprobs),
+        )
+
+    # ---------------------------------------------------------------- completions
+    def completion(self, body: Mapping[str, Any], route: Route) -> Answer:
+        t_start = time.perf_counter()
+        started = time.time()
+        route.validate()
+        self._check_model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            ids = np.asarray(
+                self.renderer.tokenizer.encode(prompt, add_special_tokens=False), dtype=np.int32
+            )
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt)
+        ):
+            ids = np.asarray(prompt, dtype=np.int32)
+        else:
+            raise RequestError(
+                "prompt must be a non-empty string or a list of token ids", param="prompt"
+            )
+        if body.get("echo"):
+            raise RequestError("echo is not supported", param="echo")
+        lp = _int(body, "logprobs", None, 0)
+        session_id = route.session_id or f"auto-{uuid.uuid4().hex[:16]}"
+        parent_call, parent_session = self._parent(route, session_id)
+        params = self._sampling(body, int(ids.shape[0]))
+        gen, engine_s = self._generate(ids, params)
+        out_ids = gen.output_ids
+        text = self.renderer.decode(out_ids.tolist())
+        call_id = f"call-{uuid.uuid4().hex[:20]}"
+        call = Call(
+            session_id=session_id,
+            call_id=call_id,
+            role=route.role or ("subagent" if parent_call or parent_session else "main"),
+            prompt_ids=ids,
+            output_ids=out_ids,
+            output_logprobs=gen.logprobs,
+            output_text=text,
+            policy_version=int(gen.policy_version),
+            finish_reason=gen.finish_reason,
+            started_at=started,
+            ended_at=max(time.time(), started),
+            parent_call_id=parent_call,
+            parent_session_id=parent_session,
+            task_id=route.task_id,
+            sampling={
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k,
+                "seed": params.seed,
+            },
+            metadata={"request": {"endpoint": "completions"}},
+        )
+        self._commit(call, None)
+        with self._lock:
+            self._call_owner[call_id] = session_id
+        texts = self.token_texts(out_ids)
+        logprobs = None
+        if lp is not None:
+            offsets, pos = [], 0
+            for s in texts:
+                offsets.append(pos)
+                pos += len(s)
+            logprobs = {
+                "tokens": list(texts),
+                "token_logprobs": [float(x) for x in gen.logprobs],
+                "top_logprobs": None,
+                "text_offset": offsets,
+            }
+        n_prompt, n_out = int(ids.shape[0]), int(out_ids.shape[0])
+        body_out = {
+            "id": f"cmpl-{call_id}",
+            "object": "text_completion",
+            "created": int(started),
+            "model": self.engine.model_name,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
+            ],
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+            },
+            "tidal": {
+                "session_id": session_id,
+                "call_id": call_id,
+                "policy_version": int(gen.policy_version),
+            },
+        }
+        return Answer(
+            body_out,
+            session_id,
+            call_id,
+            engine_s,
+            time.perf_counter() - t_start,
+            texts,
+            tuple(float(x) for x in gen.logprobs),
+        )
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": n, "object": "model", "created": 0, "owned_by": "tidal"}
+                for n in self.model_names
+            ],
+        }
+
+
+def _lp_entries(texts: tuple[str, ...], logprobs: np.ndarray) -> list[dict[str, Any]]:
+    return [
+        {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+        for s, lp in zip(texts, logprobs.tolist(), strict=True)
+    ]

@@ -1,0 +1,231 @@
+"""Request parsing: OpenAI chat messages and tool schemas -> validated frozen records.
+
+Pure functions. Every problem raises `RequestError` naming the offending field with an
+OpenAI-style `param` path (`messages[2].tool_calls[0].function.arguments`), so the server
+can answer 400 before anything is generated or written.
+
+Deliberately simplified: content parts other than text (images, audio) are refused with a
+clear error: the engines are text-only. The `name` field of messages is kept but not
+rendered (Qwen's template ignores it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.gateway.drift import ClientToolCall
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class RequestError(ValueError):
+    """A bad request. `param` is the OpenAI-style path of the field, `code` a short name."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str = "invalid_value",
+        status: int = 400,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+        self.type = type_
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str | None
+    tool_calls: tuple[ClientToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+def _content(value: object, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for k, part in enumerate(value):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise RequestError(
+                    f"{where}[{k}]: only text content parts are supported (the engines are "
+                    "text-only)",
+                    param=f"{where}[{k}]",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise RequestError(f"{where}[{k}].text must be a string", param=f"{where}[{k}]")
+            parts.append(text)
+        return "".join(parts)
+    raise RequestError(f"{where} must be a string, a list of text parts or null", param=where)
+
+
+def parse_messages(value: object) -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    out: list[Message] = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise RequestError(f"{where} must be an object", param=where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise RequestError(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                param=f"{where}.role",
+            )
+        content = _content(m.get("content"), f"{where}.content")
+        calls: list[ClientToolCall] = []
+        raw_calls = m.get("tool_calls")
+        if raw_calls is not None and role != "assistant":
+            raise RequestError(
+                f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls"
+            )
+        for k, tc in enumerate(raw_calls or []):
+            tw = f"{where}.tool_calls[{k}]"
+            fn = tc.get("function") if isinstance(tc, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise RequestError(f"{tw}.function.name must be a string", param=f"{tw}.function")
+            args = fn.get("arguments", "{}")
+            if not isinstance(args, str | Mapping | list):
+                raise RequestError(
+                    f"{tw}.function.arguments must be a JSON string or object",
+                    param=f"{tw}.function.arguments",
+                )
+            tcid = tc.get("id")
+            calls.append(
+                ClientToolCall(tcid if isinstance(tcid, str) and tcid else None, fn["name"], args)
+            )
+        if role in ("user", "system", "developer") and content is None:
+            raise RequestError(
+                f"{where}.content is required for role {role}", param=f"{where}.content"
+            )
+        tcid = m.get("tool_call_id")
+        name = m.get("name")
+        out.append(
+            Message(
+                role="system" if role == "developer" else role,
+                content=content,
+                tool_calls=tuple(calls),
+                tool_call_id=tcid if isinstance(tcid, str) and tcid else None,
+                name=name if isinstance(name, str) else None,
+            )
+        )
+    return out
+
+
+def parse_tools(value: object) -> list[dict[str, Any]] | None:
+    """Validate OpenAI function tools; returns them normalised for the chat template."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError("tools must be a list", param="tools", code="invalid_tool_schema")
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, t in enumerate(value):
+        where = f"tools[{i}]"
+
+        def bad(msg: str, param: str, where: str = where) -> RequestError:
+            return RequestError(f"{where}: {msg}", param=param, code="invalid_tool_schema")
+
+        if not isinstance(t, Mapping) or t.get("type") != "function":
+            raise bad("each tool must be an object with type 'function'", f"{where}.type")
+        fn = t.get("function")
+        if not isinstance(fn, Mapping):
+            raise bad("function must be an object", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
+            raise bad(
+                f"function.name must match ^[A-Za-z0-9_-]{{1,64}}$, got {name!r}",
+                f"{where}.function.name",
+            )
+        if name in names:
+            raise bad(f"duplicate tool name {name!r}", f"{where}.function.name")
+        names.add(name)
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise bad("function.description must be a string", f"{where}.function.description")
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, Mapping):
+                raise bad(
+                    "function.parameters must be a JSON Schema object",
+                    f"{where}.function.parameters",
+                )
+            ptype = params.get("type", "object")
+            if ptype != "object":
+                raise bad(
+                    f"function.parameters.type must be 'object', got {ptype!r}",
+                    f"{where}.function.parameters.type",
+                )
+            props = params.get("properties", {})
+            if not isinstance(props, Mapping) or not all(
+                isinstance(v, Mapping) for v in props.values()
+            ):
+                raise bad(
+                    "function.parameters.properties must map names to schemas",
+                    f"{where}.function.parameters.properties",
+                )
+            req = params.get("required", [])
+            if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+                raise bad(
+                    "function.parameters.required must be a list of names",
+                    f"{where}.function.parameters.required",
+                )
+        clean: dict[str, Any] = {"name": name}
+        if desc is not None:
+            clean["description"] = desc
+        if params is not None:
+            clean["parameters"] = dict(params)
+        out.append({"type": "function", "function": clean})
+    return out
+
+
+def template_message(m: Message) -> dict[str, Any]:
+    """The dict a chat template gets. Arguments given as a JSON string are parsed to a
+    mapping first: Qwen's template applies `tojson` to them, which would otherwise render a
+    quoted string (the AReaL #1420 bug)."""
+    d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            args: Any = c.arguments
+            if isinstance(args, str):
+                with contextlib.suppress(json.JSONDecodeError):
+                    args = json.loads(args)
+            calls.append(
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}}
+            )
+        d["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def message_fingerprint(m: Message) -> bytes:
+    """A canonical byte form of a message (for history-change detection)."""
+    return json.dumps(
+        [m.role, m.content, [[c.id, c.name, c.arguments] for c in m.tool_calls], m.tool_call_id],
+        sort_keys=True,
+        ensure_ascii=False,
+    ).encode()
+
+
+def tools_fingerprint(tools: list[dict[str, Any]] | None) -> bytes:
+    return hashlib.blake2b(
+        json.dumps(tools, sort_keys=True, ensure_ascii=False).encode(), digest_size=16
+    ).digest()

@@ -1,0 +1,199 @@
+"""Rendering: a conversation through the real chat template, cut into per-message blocks.
+
+How "render only the new messages" works: the whole conversation is rendered with the
+model's own chat template (so the canonical text of every non-model message is exactly
+what the template makes of it), then cut at the family's block marker (`<|im_start|>`
+for ChatML) into blocks, and each block is mapped back to the message(s) it renders.
+`tidal.gateway.tito` then builds the prompt block by block: recorded token ids for the
+model's own turns, tokenized template text for the rest.
+
+Why splicing is exact for ChatML: the block markers are special tokens, and a tokenizer
+splits its input at special tokens before running BPE, so the token ids of a rendered
+text equal the concatenation of the ids of its blocks. Tokenizing block by block is
+therefore the same as tokenizing the whole render, and lets each block's ids be cached.
+
+Limits per family:
+- ChatML (Qwen2/2.5/3): one block per message; consecutive tool results share one user
+  block; a system block always comes first (the template invents one when the
+  conversation has none). Qwen3's template strips `<think>` from earlier assistant
+  turns: irrelevant here, since assistant blocks are replaced by recorded tokens.
+- A family whose markers are not special tokens (plain-text formats) would need
+  boundary-aware tokenization; not built in.
+
+Deliberately simplified: the whole conversation is re-rendered on each request (Jinja is
+~0.1 ms for short chats; O(conversation) text for long ones) while token ids are cached
+per block text; the model's blocks are never tokenized from text at all.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tidal.gateway.family import ChatFamily, GatewayError
+from tidal.gateway.messages import Message, template_message
+
+SYNTHETIC = -1  # message index of a block no message produced (default system prompt)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One rendered block: its text, the role in its header, and the messages it renders
+    (`first`..`last` inclusive; SYNTHETIC for an invented system block or the generation
+    prompt, which has `generation=True`)."""
+
+    text: str
+    role: str
+    first: int
+    last: int
+    generation: bool = False
+
+
+def split_blocks(text: str, family: ChatFamily) -> list[str]:
+    """Cut a rendered conversation at each block marker; the marker starts each block."""
+    parts = text.split(family.block_start)
+    if parts[0].strip():
+        raise GatewayError(
+            f"chat template output starts with text before the first {family.block_start!r}: "
+            "not the structure of the family " + family.name
+        )
+    return [family.block_start + p for p in parts[1:]]
+
+
+def _role_of(block: str, family: ChatFamily) -> str:
+    head = block[len(family.block_start) :]
+    nl = head.find("\n")
+    return head[:nl] if nl >= 0 else head
+
+
+def map_blocks(
+    blocks: Sequence[str],
+    messages: Sequence[Message],
+    family: ChatFamily,
+    *,
+    generation: bool = True,
+) -> list[Block]:
+    """Map blocks to the messages that produced them (the family's grouping rule)."""
+    out: list[Block] = []
+    bi = 0
+
+    def take(role: str, first: int, last: int, gen: bool = False) -> None:
+        nonlocal bi
+        if bi >= len(blocks):
+            raise GatewayError(
+                f"chat template rendered {len(blocks)} blocks, fewer than the messages need "
+                f"(family {family.name}); cannot splice recorded tokens"
+            )
+        got = _role_of(blocks[bi], family)
+        if got != role:
+            raise GatewayError(
+                f"chat template block {bi} has role {got!r} where message {first} needs "
+                f"{role!r} (family {family.name}); cannot splice recorded tokens"
+            )
+        out.append(Block(blocks[bi], role, first, last, gen))
+        bi += 1
+
+    i = 0
+    if not messages or messages[0].role != "system":
+        take("system", SYNTHETIC, SYNTHETIC)
+    while i < len(messages):
+        m = messages[i]
+        if m.role == "tool":
+            j = i
+            if family.tool_results_grouped:
+                while j + 1 < len(messages) and messages[j + 1].role == "tool":
+                    j += 1
+            take(family.tool_block_role, i, j)
+            i = j + 1
+        else:
+            take(m.role, i, i)
+            i += 1
+    if generation:
+        take("assistant", SYNTHETIC, SYNTHETIC, gen=True)
+    if bi != len(blocks):
+        raise GatewayError(
+            f"chat template rendered {len(blocks)} blocks but the messages account for {bi} "
+            f"(family {family.name}); cannot splice recorded tokens"
+        )
+    return out
+
+
+class Renderer:
+    """Renders conversations with a tokenizer's chat template and tokenizes blocks (with
+    an LRU cache of block ids). Thread-safe."""
+
+    def __init__(self, tokenizer: Any, family: ChatFamily, cache_size: int = 65536) -> None:
+        self.tokenizer = tokenizer
+        self.family = family
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._arrays: OrderedDict[str, npt.NDArray[np.int32]] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.header_ids = self.encode(family.header("assistant"))
+        self.block_end_ids = self.encode(family.block_end)
+        self.separator_ids = self.encode(family.separator)
+        self.header_array = np.asarray(self.header_ids, dtype=np.int32)
+        self.separator_array = np.asarray(self.separator_ids, dtype=np.int32)
+        self.closing_array = np.asarray(self.block_end_ids + self.separator_ids, dtype=np.int32)
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in family.stop_tokens]
+        self.stop_ids: tuple[int, ...] = tuple(int(i) for i in ids if isinstance(i, int))
+        if len(self.block_end_ids) != 1:
+            raise GatewayError(
+                f"{family.block_end!r} is not a single special token in this tokenizer"
+            )
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        with self._lock:
+            hit = self._cache.get(text)
+            if hit is not None:
+                self._cache.move_to_end(text)
+                return hit
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        with self._lock:
+            self._cache[text] = ids
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return ids
+
+    def encode_array(self, text: str) -> npt.NDArray[np.int32]:
+        """`encode` as a read-only int32 array (cached separately; blocks repeat a lot)."""
+        with self._lock:
+            hit = self._arrays.get(text)
+            if hit is not None:
+                self._arrays.move_to_end(text)
+                return hit
+        arr = np.asarray(self.encode(text), dtype=np.int32)
+        arr.flags.writeable = False
+        with self._lock:
+            self._arrays[text] = arr
+            if len(self._arrays) > self._cache_size:
+                self._arrays.popitem(last=False)
+        return arr
+
+    def render(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [template_message(m) for m in messages],
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as e:  # jinja raises TemplateError and friends
+            raise GatewayError(f"the chat template could not render these messages: {e}") from e
+        return str(text)
+
+    def blocks(
+        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None
+    ) -> list[Block]:
+        return map_blocks(
+            split_blocks(self.render(messages, tools), self.family), messages, self.family
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
