@@ -69,10 +69,13 @@ def sample_tokens(
     """Sample one token per row of `logprobs` [B, V]; greedy rows take the argmax."""
     if len(generators) != logprobs.shape[0]:
         raise ValueError("one generator per row is required")
-    probs = logprobs.exp()
-    noise = torch.empty_like(probs)
+    # Inverse CDF: one uniform per row, then a binary search of the cumulative
+    # probabilities (in float64, so the tail of a 151k vocabulary keeps its mass).
+    # One draw per row instead of one per vocabulary entry.
+    cdf = logprobs.exp().to(torch.float64).cumsum(dim=-1)
+    u = torch.empty(len(generators), 1, dtype=torch.float64, device=logprobs.device)
     for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would give 0/0 = nan
-    sampled = (probs / noise).argmax(dim=-1)
+        u[i].uniform_(generator=gen)
+    target = (1.0 - u) * cdf[:, -1:]  # in (0, total]: never lands on a zero-mass token
+    sampled = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
     return torch.where(greedy, logprobs.argmax(dim=-1), sampled)
