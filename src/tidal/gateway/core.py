@@ -229,11 +229,9 @@ class Gateway:
                 code="invalid_parent_call_id",
             )
         if psid == session_id:
-            raise RequestError(
-                "a subagent session must differ from its parent's session",
-                param="session_id",
-                code="invalid_session_id",
-            )
+            # a link inside one session: the first call of a fresh context after a
+            # compaction follows its summary call (the ledger keeps parent_session_id null)
+            return pc, None
         return pc, psid
 
     def token_texts(self, ids: np.ndarray) -> tuple[str, ...]:
@@ -330,7 +328,7 @@ class Gateway:
             for t in tc_list
         ]
         finish = gen.finish_reason if not tc_list else "tool_calls"
-        role = route.role or ("subagent" if parent_call or parent_session else "main")
+        role = route.role or ("subagent" if parent_session else "main")
         meta = plan.metadata()
         meta["request"] = {
             "endpoint": "chat.completions",
@@ -465,7 +463,7 @@ class Gateway:
         call = Call(
             session_id=session_id,
             call_id=call_id,
-            role=route.role or ("subagent" if parent_call or parent_session else "main"),
+            role=route.role or ("subagent" if parent_session else "main"),
             prompt_ids=ids,
             output_ids=out_ids,
             output_logprobs=gen.logprobs,

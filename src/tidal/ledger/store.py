@@ -574,6 +574,12 @@ class LedgerStore:
             rows = self._db.execute("SELECT session_id FROM sessions ORDER BY first_seq").fetchall()
         return [r[0] for r in rows]
 
+    def has_session(self, session_id: str) -> bool:
+        with self._lock:
+            return self._db.execute(
+                "SELECT 1 FROM sessions WHERE session_id=?", (session_id,)
+            ).fetchone() is not None
+
     def sessions(self) -> list[SessionInfo]:
         with self._lock:
             rows = self._db.execute(

@@ -1,0 +1,88 @@
+"""How a harness tells the gateway who is calling: the session URL and the headers.
+
+Everything the gateway learns about a call's place in the session tree comes from here,
+so that the wire format can be adjusted in one file:
+- the session, and for a subagent the call that spawned it, travel in the base URL
+  (`session_base_url`), so any OpenAI-API harness that can set a base URL per session
+  is recorded correctly;
+- the role (main, main_summary, subagent, subagent_summary), the task id and the link of
+  a post-compaction call to its summary call travel as headers (`request_headers`).
+- the id of a recorded call is the response's `id` (`call_id_of`).
+
+Deliberately simplified: no authentication (the gateway listens on localhost for the RL
+loop); the API key the openai client insists on is a fixed placeholder.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from openai import OpenAI
+from openai.types.chat import ChatCompletion
+
+API_KEY_PLACEHOLDER = "tidal"
+ROLE_HEADER = "X-Tidal-Role"
+TASK_HEADER = "X-Tidal-Task"
+PARENT_CALL_HEADER = "X-Tidal-Parent-Call"
+
+
+@dataclass(frozen=True)
+class SpawnLink:
+    """A subagent session's link to the call (in its parent session) that spawned it."""
+
+    parent_session_id: str
+    parent_call_id: str
+
+
+def new_session_id(prefix: str = "s") -> str:
+    """A fresh session id accepted by the ledger (letters, digits, '-')."""
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def session_base_url(gateway_url: str, session_id: str, spawn: SpawnLink | None = None) -> str:
+    """The OpenAI base URL of one session, e.g. http://127.0.0.1:8000/sessions/s-1/v1.
+
+    A subagent's URL also names its spawning call and that call's session, as the
+    gateway's (name, value) path parts (docs/gateway.md):
+    `.../sessions/{sub_id}/parent/{parent_call_id}/parent-session/{parent_session_id}/v1`.
+    """
+    root = gateway_url.rstrip("/")
+    if not root.startswith(("http://", "https://")):
+        raise ValueError(f"gateway_url must be an http(s) URL, got {gateway_url!r}")
+    parts = {"session_id": session_id}
+    if spawn is not None:
+        parts["parent_session_id"] = spawn.parent_session_id
+        parts["parent_call_id"] = spawn.parent_call_id
+    for name, value in parts.items():
+        if not value or any(c in value for c in "/?#"):
+            raise ValueError(f"{name} must be non-empty and URL-path safe, got {value!r}")
+    if spawn is None:
+        return f"{root}/sessions/{session_id}/v1"
+    return (
+        f"{root}/sessions/{session_id}/parent/{spawn.parent_call_id}"
+        f"/parent-session/{spawn.parent_session_id}/v1"
+    )
+
+
+def request_headers(
+    role: str, task_id: str | None = None, parent_call_id: str | None = None
+) -> dict[str, str]:
+    """Per-request headers: the role, the task, and the summary call a fresh context follows."""
+    headers = {ROLE_HEADER: role}
+    if task_id is not None:
+        headers[TASK_HEADER] = task_id
+    if parent_call_id is not None:
+        headers[PARENT_CALL_HEADER] = parent_call_id
+    return headers
+
+
+def call_id_of(response: ChatCompletion) -> str:
+    """The gateway's id for the recorded call behind a response: the gateway answers
+    with `id = "chatcmpl-" + call id` (docs/gateway.md)."""
+    return response.id.removeprefix("chatcmpl-")
+
+
+def default_client_factory(base_url: str, timeout_s: float) -> OpenAI:
+    """The stock openai client for one session; no retries (a retry would be a new call)."""
+    return OpenAI(base_url=base_url, api_key=API_KEY_PLACEHOLDER, max_retries=0, timeout=timeout_s)

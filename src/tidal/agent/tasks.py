@@ -1,0 +1,451 @@
+"""Built-in task sets, graders with partial credit, and demonstrations for a warm start.
+
+A `Task` is a prompt, files to place in the runtime before the episode (`setup_files`),
+file checks that grade it, and an ideal solution (the tool calls, turn by turn) from
+which `demonstrations` builds the supervised warm-start conversations.
+
+Grading inspects only the runtime's files after the episode: reward = fraction of
+checks passed, so a session that times out or is truncated keeps the credit for what it
+did (e.g. the file exists but holds the wrong text: 0.5).
+
+Built-in sets (`load_taskset(name)`):
+- `files` (the default): "Write 7 to cat.txt.": one `write_file` call, then `finish`.
+  A digit and a file name (16 one-token words), 160 combinations; held-out
+  combinations are unseen in training while each digit and name is seen. The skill is
+  two independent slot look-ups (the only digit, the only name in the prompt): meant as
+  the easiest structure that transfers to held-out tasks. Measured (docs/agent.md): a
+  random-initialised tiny model learns the call format in 25-50 supervised steps, but
+  the content was still at chance after 150 steps of 8 demonstrations. Partial credit:
+  the right file with the wrong digit earns 0.5.
+- `digits`: copy a 3-digit number, reverse it, or write its largest digit ("Write 471
+  reversed to answer.txt."); held-out numbers never appear in training. Qwen's
+  tokenizer splits numbers into digits, so this is positional copying of digit tokens
+  (not learnt by the tiny model after 800 demonstrations either); for larger models.
+- `tools`: small tasks that need bash (count lines of a file), a subagent (ask a helper,
+  write its answer) or many steps (write several files in parallel calls; with a small
+  context budget this exercises compaction). A tiny model will rarely solve them: they
+  exist to run every code path end to end, and for real models.
+- `mixed`: `files` with the `tools` tasks added to training (held-out is `files`).
+
+Deliberately simplified:
+- Checks are file checks only (exists / equals after stripping surrounding whitespace /
+  contains); the `finish` answer is not graded, so that partial progress is always
+  visible in the files.
+- Demonstrations of tools tasks are single conversations without compaction; the
+  subagent's own conversation is returned as a separate demonstration.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.agent.runtime import LocalDirRuntime, ToolRuntime
+from tidal.agent.tools import (
+    ALL_TOOLS,
+    BASH,
+    FINISH,
+    SPAWN_SUBAGENT,
+    WRITE_FILE,
+    ToolCall,
+    run_runtime_tool,
+)
+
+DEFAULT_SYSTEM_PROMPT = "You are an agent. Use the tools to do the task, then call finish."
+SUBAGENT_TOOLS: tuple[str, ...] = tuple(t for t in ALL_TOOLS if t != SPAWN_SUBAGENT)
+
+
+class TaskError(ValueError):
+    """A task or task set is malformed, or an unknown task set was asked for."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class FileExists:
+    path: str
+
+    def describe(self) -> str:
+        return f"{self.path} exists"
+
+
+@dataclass(frozen=True)
+class FileEquals:
+    """The file's text, stripped of surrounding whitespace, equals `expected`."""
+
+    path: str
+    expected: str
+
+    def describe(self) -> str:
+        return f"{self.path} == {self.expected!r}"
+
+
+@dataclass(frozen=True)
+class FileContains:
+    path: str
+    substring: str
+
+    def describe(self) -> str:
+        return f"{self.path} contains {self.substring!r}"
+
+
+Check = FileExists | FileEquals | FileContains
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ideal tool call. `result` overrides the tool result in demonstrations (used
+    for `spawn_subagent`, whose result is the helper's answer)."""
+
+    name: str
+    arguments: Mapping[str, str]
+    result: str | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    prompt: str
+    checks: tuple[Check, ...]
+    setup_files: Mapping[str, str] = field(default_factory=dict)
+    solution: tuple[tuple[Step, ...], ...] = ()  # turns of ideal tool calls; last is finish
+    family: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.task_id or not self.prompt.strip():
+            raise TaskError(f"task {self.task_id!r}: task_id and prompt must be non-empty")
+        if not self.checks:
+            raise TaskError(f"task {self.task_id!r}: needs at least one check")
+        if self.solution and [s.name for s in self.solution[-1]] != [FINISH]:
+            raise TaskError(f"task {self.task_id!r}: the solution's last turn must be finish")
+
+
+@dataclass(frozen=True)
+class TaskSet:
+    name: str
+    train: tuple[Task, ...]
+    heldout: tuple[Task, ...]
+
+    def __post_init__(self) -> None:
+        ids = [t.task_id for t in self.train + self.heldout]
+        if len(set(ids)) != len(ids):
+            raise TaskError(f"task set {self.name!r}: task ids are not unique")
+        if not self.train or not self.heldout:
+            raise TaskError(f"task set {self.name!r}: train and heldout must be non-empty")
+
+
+@dataclass(frozen=True)
+class Grade:
+    """reward = partial_score = fraction of checks passed; details: check -> passed."""
+
+    reward: float
+    partial_score: float
+    details: dict[str, bool]
+
+    @property
+    def success(self) -> bool:
+        return all(self.details.values())
+
+
+def prepare(task: Task, runtime: ToolRuntime) -> None:
+    """Place the task's setup files in a fresh runtime."""
+    for path, text in task.setup_files.items():
+        runtime.write_file(path, text)
+
+
+def _read(runtime: ToolRuntime, path: str) -> str | None:
+    try:
+        return runtime.read_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def check_passes(check: Check, runtime: ToolRuntime) -> bool:
+    text = _read(runtime, check.path)
+    if text is None:
+        return False
+    if isinstance(check, FileEquals):
+        return text.strip() == check.expected.strip()
+    if isinstance(check, FileContains):
+        return check.substring in text
+    return True
+
+
+def grade(task: Task, runtime: ToolRuntime) -> Grade:
+    """Grade a finished (or timed-out) episode by the files in its runtime."""
+    details = {c.describe(): check_passes(c, runtime) for c in task.checks}
+    score = sum(details.values()) / len(details)
+    return Grade(reward=score, partial_score=score, details=details)
+
+
+# --------------------------------------------------------------------------- demonstrations
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    """One ideal session as chat messages (OpenAI format; tool-call arguments as JSON
+    objects, as chat templates render them), with the tools that session is offered.
+
+    Render with `tokenizer.apply_chat_template(messages, tools=tool_schemas(tools))`:
+    Qwen2.5's template then writes each call as
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the text the
+    gateway parses (see `tools.format_tool_call_text`).
+    """
+
+    role: str
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[str, ...]
+
+
+def _assistant(turn: Sequence[Step], first_id: int) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": f"call_{first_id + i}",
+                "type": "function",
+                "function": {"name": s.name, "arguments": dict(s.arguments)},
+            }
+            for i, s in enumerate(turn)
+        ],
+    }
+
+
+def _conversation(
+    prompt: str,
+    solution: Sequence[Sequence[Step]],
+    setup_files: Mapping[str, str],
+    system_prompt: str,
+) -> tuple[dict[str, Any], ...]:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": prompt},
+    ]
+    n = 0
+    with tempfile.TemporaryDirectory(prefix="tidal-demo-") as tmp:
+        runtime = LocalDirRuntime(Path(tmp))
+        for path, text in setup_files.items():
+            runtime.write_file(path, text)
+        for turn in solution:
+            messages.append(_assistant(turn, n))
+            for i, step in enumerate(turn):
+                if step.name == FINISH:
+                    break
+                if step.result is not None:
+                    result = step.result
+                else:
+                    call = ToolCall(f"call_{n + i}", step.name, dict(step.arguments))
+                    result = run_runtime_tool(call, runtime, timeout_s=10.0, output_cap=8000)
+                messages.append(
+                    {"role": "tool", "tool_call_id": f"call_{n + i}", "content": result}
+                )
+            n += len(turn)
+    return tuple(messages)
+
+
+def demonstrations(task: Task, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> list[Demonstration]:
+    """The ideal sessions for a task: the main session first, then one per subagent.
+
+    Tool results are real: the solution runs in a scratch `LocalDirRuntime` through the
+    same tool code as the harness, so the warm start sees the texts the agent will see.
+    """
+    if not task.solution:
+        raise TaskError(f"task {task.task_id!r} has no solution to demonstrate")
+    demos = [
+        Demonstration(
+            "main",
+            _conversation(task.prompt, task.solution, task.setup_files, system_prompt),
+            ALL_TOOLS,
+        )
+    ]
+    for turn in task.solution:
+        for step in turn:
+            if step.name == SPAWN_SUBAGENT and step.result is not None:
+                sub = ((Step(FINISH, {"answer": step.result}),),)
+                demos.append(
+                    Demonstration(
+                        "subagent",
+                        _conversation(step.arguments["task_description"], sub, {}, system_prompt),
+                        SUBAGENT_TOOLS,
+                    )
+                )
+    return demos
+
+
+# --------------------------------------------------------------------------- built-in sets
+
+DIGIT_FAMILIES: dict[str, tuple[str, Any]] = {
+    "copy": ("Write {n} to answer.txt.", lambda s: s),
+    "reverse": ("Write {n} reversed to answer.txt.", lambda s: s[::-1]),
+    "max": ("Write the largest digit of {n} to answer.txt.", max),
+}
+
+
+def _answer_task(task_id: str, prompt: str, answer: str, family: str) -> Task:
+    return Task(
+        task_id=task_id,
+        prompt=prompt,
+        checks=(FileExists("answer.txt"), FileEquals("answer.txt", answer)),
+        solution=(
+            (Step(WRITE_FILE, {"path": "answer.txt", "content": answer}),),
+            (Step(FINISH, {"answer": answer}),),
+        ),
+        family=family,
+    )
+
+
+def digits_tasks(numbers: Sequence[str], families: Sequence[str]) -> list[Task]:
+    tasks = []
+    for fam in families:
+        if fam not in DIGIT_FAMILIES:
+            raise TaskError(f"unknown digits family {fam!r}; known: {list(DIGIT_FAMILIES)}")
+        template, fn = DIGIT_FAMILIES[fam]
+        for n in numbers:
+            tasks.append(_answer_task(f"{fam}-{n}", template.format(n=n), fn(n), fam))
+    return tasks
+
+
+def digits_taskset(
+    *,
+    seed: int = 0,
+    n_heldout_numbers: int = 30,
+    families: Sequence[str] = tuple(DIGIT_FAMILIES),
+) -> TaskSet:
+    """All 3-digit numbers 100-999, split by number: held-out numbers never appear in
+    training prompts (for any family)."""
+    numbers = [str(i) for i in range(100, 1000)]
+    random.Random(seed).shuffle(numbers)
+    if not 0 < n_heldout_numbers < len(numbers):
+        raise TaskError(f"n_heldout_numbers must be in 1..{len(numbers) - 1}")
+    held, train = numbers[:n_heldout_numbers], numbers[n_heldout_numbers:]
+    return TaskSet(
+        "digits",
+        train=tuple(digits_tasks(train, families)),
+        heldout=tuple(digits_tasks(held, families)),
+    )
+
+
+FILE_WORDS: tuple[str, ...] = (
+    "cat", "dog", "sun", "map", "box", "red", "car", "pen",
+    "cup", "key", "hat", "bed", "bag", "egg", "fox", "ink",
+)  # fmt: skip  # each is one token both as " cat" (prompt) and "cat" (in the JSON path)
+
+
+def files_taskset(*, seed: int = 0, heldout_fraction: float = 0.2) -> TaskSet:
+    """ "Write 7 to cat.txt.": a digit and a file name, 10 x 16 combinations. Held-out
+    combinations are unseen, while every digit and every name occurs in training."""
+    combos = [(d, w) for d in "0123456789" for w in FILE_WORDS]
+    rng = random.Random(seed)
+    while True:
+        rng.shuffle(combos)
+        k = max(1, round(heldout_fraction * len(combos)))
+        held, train = combos[:k], combos[k:]
+        if {d for d, _ in train} == set("0123456789") and {w for _, w in train} == set(FILE_WORDS):
+            break
+
+    def make(d: str, w: str) -> Task:
+        path = f"{w}.txt"
+        return Task(
+            task_id=f"file-{w}-{d}",
+            prompt=f"Write {d} to {path}.",
+            checks=(FileExists(path), FileEquals(path, d)),
+            solution=(
+                (Step(WRITE_FILE, {"path": path, "content": d}),),
+                (Step(FINISH, {"answer": d}),),
+            ),
+            family="file",
+        )
+
+    return TaskSet(
+        "files",
+        train=tuple(make(d, w) for d, w in train),
+        heldout=tuple(make(d, w) for d, w in held),
+    )
+
+
+def count_lines_task(task_id: str, n_lines: int) -> Task:
+    data = "".join(f"row {i}\n" for i in range(n_lines))
+    return Task(
+        task_id=task_id,
+        prompt="Count the lines in data.txt and write the count to answer.txt.",
+        checks=(FileExists("answer.txt"), FileEquals("answer.txt", str(n_lines))),
+        setup_files={"data.txt": data},
+        solution=(
+            (Step(BASH, {"command": "wc -l < data.txt"}),),
+            (Step(WRITE_FILE, {"path": "answer.txt", "content": str(n_lines)}),),
+            (Step(FINISH, {"answer": str(n_lines)}),),
+        ),
+        family="bash",
+    )
+
+
+def subagent_task(task_id: str, number: str) -> Task:
+    answer = number[::-1]
+    sub = f"Reply with {number} reversed."
+    return Task(
+        task_id=task_id,
+        prompt=f"Ask a helper for {number} reversed, then write its answer to answer.txt.",
+        checks=(FileExists("answer.txt"), FileEquals("answer.txt", answer)),
+        solution=(
+            (Step(SPAWN_SUBAGENT, {"task_description": sub}, result=answer),),
+            (Step(WRITE_FILE, {"path": "answer.txt", "content": answer}),),
+            (Step(FINISH, {"answer": answer}),),
+        ),
+        family="subagent",
+    )
+
+
+def many_files_task(task_id: str, n_files: int) -> Task:
+    """Several files, written in parallel tool calls; partial credit per file."""
+    names = [f"f{i}.txt" for i in range(1, n_files + 1)]
+    return Task(
+        task_id=task_id,
+        prompt=f"Create files f1.txt to f{n_files}.txt, each holding its own number.",
+        checks=tuple(FileEquals(n, str(i)) for i, n in enumerate(names, 1)),
+        solution=(
+            tuple(Step(WRITE_FILE, {"path": n, "content": str(i)}) for i, n in enumerate(names, 1)),
+            (Step(FINISH, {"answer": "done"}),),
+        ),
+        family="steps",
+    )
+
+
+def tools_taskset(seed: int = 0) -> TaskSet:
+    rng = random.Random(seed)
+    train: list[Task] = []
+    heldout: list[Task] = []
+    for split, k in ((train, 8), (heldout, 3)):
+        tag = "train" if split is train else "heldout"
+        for i in range(k):
+            split.append(count_lines_task(f"bash-{tag}-{i}", rng.randint(2, 9)))
+            split.append(subagent_task(f"subagent-{tag}-{i}", str(rng.randint(100, 999))))
+            split.append(many_files_task(f"steps-{tag}-{i}", rng.randint(3, 6)))
+    return TaskSet("tools", train=tuple(train), heldout=tuple(heldout))
+
+
+def mixed_taskset(seed: int = 0) -> TaskSet:
+    files, tools = files_taskset(seed=seed), tools_taskset(seed=seed)
+    return TaskSet("mixed", train=files.train + tools.train, heldout=files.heldout)
+
+
+TASK_SETS: dict[str, Callable[..., TaskSet]] = {
+    "files": files_taskset,
+    "digits": digits_taskset,
+    "tools": tools_taskset,
+    "mixed": mixed_taskset,
+}
+
+
+DEFAULT_TASKSET = "files"
+
+
+def load_taskset(name: str = DEFAULT_TASKSET, seed: int = 0) -> TaskSet:
+    if name not in TASK_SETS:
+        raise TaskError(f"unknown task set {name!r}; built-in sets: {sorted(TASK_SETS)}")
+    return TASK_SETS[name](seed=seed)

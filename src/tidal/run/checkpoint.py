@@ -1,0 +1,70 @@
+"""Run-directory checkpoints: weights, optimizer, and the loop's progress, atomically.
+
+A checkpoint is written to `checkpoint.tmp/` and renamed over `checkpoint/`, so a run
+killed at any moment (SIGKILL included) leaves either the previous checkpoint or the new
+one, never half of one. `RunState.trained_sessions` lists every session whose update is
+in these weights: on `--resume`, committed sessions not in it are trained once, and
+none in it is trained again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT = "checkpoint"
+
+
+@dataclass(frozen=True)
+class RunState:
+    step: int = 0  # RL steps completed
+    policy_version: int = 0
+    warmstart_done: bool = False
+    success_rate_start: float | None = None
+    elapsed_s: float = 0.0  # wall-clock of earlier attempts (before a resume)
+    trained_sessions: tuple[str, ...] = ()
+    sessions: int = 0  # RL sessions rolled out
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def advance(self, **changes: Any) -> RunState:
+        return replace(self, **changes)
+
+
+def save_checkpoint(
+    run_dir: Path, model: Any, optimizer: torch.optim.Optimizer | None, state: RunState
+) -> None:
+    tmp = run_dir / f"{CHECKPOINT}.tmp"
+    final = run_dir / CHECKPOINT
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps(asdict(state), indent=1))
+    old = run_dir / f"{CHECKPOINT}.old"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (a kill between the two renames leaves `.old`)."""
+    for name in (CHECKPOINT, f"{CHECKPOINT}.old"):
+        p = run_dir / name
+        if (p / "state.json").exists():
+            return p
+    return None
+
+
+def load_state(ckpt: Path) -> RunState:
+    d = json.loads((ckpt / "state.json").read_text())
+    d["trained_sessions"] = tuple(d.get("trained_sessions", ()))
+    return RunState(**d)

@@ -1,0 +1,159 @@
+"""The run configuration: one plain TOML file, validated, unknown keys refused.
+
+Every field is documented in docs/config.md (a test checks that each field appears
+there). `load_config(None)` gives the embedded default that README's `make run` uses:
+the local tiny model, a local store and local sandboxes, sized to finish in under 15
+minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """The config file is missing, unparsable or invalid; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    name: str = Field("tiny", description="`tiny` or a local transformers checkpoint dir")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to run")
+    seed: int = Field(0, description="seed of the tiny model's random init")
+
+
+class TasksConfig(_Section):
+    name: str = Field("digits", description="built-in task set: digits, tools or mixed")
+    train_size: int = Field(64, ge=1, description="tasks sampled for RL")
+    heldout_size: int = Field(32, ge=1, description="held-out tasks for evaluation")
+    time_limit_s: float = Field(60.0, gt=0, description="per-session wall-clock limit")
+
+
+class RolloutConfig(_Section):
+    workers: int = Field(2, ge=1, description="concurrent rollout sessions")
+    group_size: int = Field(4, ge=1, description="sessions per task (a GRPO group)")
+    tasks_per_step: int = Field(4, ge=1, description="task groups per training step")
+    max_turns: int = Field(4, ge=1, description="model calls per session")
+    max_tokens: int = Field(48, ge=1, description="tokens per model call")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature")
+    context_budget: int = Field(
+        4096, ge=64, description="tokens of context before the harness compacts"
+    )
+    sandbox: Literal["bwrap", "local"] = Field(
+        "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted)"
+    )
+
+
+class WarmstartConfig(_Section):
+    steps: int = Field(40, ge=0, description="supervised steps on generated demonstrations")
+    batch_size: int = Field(8, ge=1, description="demonstrations per step")
+    lr: float = Field(3e-3, gt=0, description="learning rate")
+
+
+class RLConfig(_Section):
+    steps: int = Field(20, ge=0, description="RL training steps")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    max_paths: int = Field(5, ge=1, description="J: paths trained per episode")
+    normalization: Literal["two_level", "token", "path"] = Field(
+        "two_level", description="loss normalisation (docs/trees.md)"
+    )
+    correction: Literal["none", "tis", "mis", "seq_tis", "geo_mis", "icepop"] = Field(
+        "tis", description="train/inference importance correction"
+    )
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range")
+    timeout_reward: Literal["partial", "zero", "mask"] = Field(
+        "partial", description="reward of timed-out/truncated sessions"
+    )
+    max_staleness: int = Field(1, ge=0, description="policy versions a sample may lag")
+    max_tokens_per_stream: int = Field(4096, ge=64, description="tree-packing stream size")
+
+
+class EvalConfig(_Section):
+    every: int = Field(5, ge=1, description="evaluate on held-out tasks every N RL steps")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature for evaluation")
+
+
+class RunConfig(_Section):
+    seed: int = Field(0, description="seed for task sampling and generation")
+    model: ModelConfig = ModelConfig()
+    tasks: TasksConfig = TasksConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    warmstart: WarmstartConfig = WarmstartConfig()
+    rl: RLConfig = RLConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _possible(self) -> RunConfig:
+        from tidal.agent.tasks import TASK_SETS
+
+        if self.tasks.name not in TASK_SETS:
+            raise ValueError(
+                f"tasks.name {self.tasks.name!r} is not a built-in task set "
+                f"({', '.join(sorted(TASK_SETS))})"
+            )
+        if self.rollout.max_tokens * self.rollout.max_turns > self.rollout.context_budget * 8:
+            raise ValueError(
+                "rollout.max_tokens x rollout.max_turns is far beyond rollout.context_budget: "
+                "sessions would compact every turn"
+            )
+        if self.rl.steps == 0 and self.warmstart.steps == 0:
+            raise ValueError("nothing to do: warmstart.steps and rl.steps are both 0")
+        return self
+
+
+def _format_error(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  {loc}: {msg}")
+    return f"invalid config {source}:\n" + "\n".join(lines)
+
+
+def parse_config(data: dict[str, object], source: str = "<dict>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def load_config(path: Path | None) -> RunConfig:
+    """Read and validate a TOML config; `None` gives the built-in default."""
+    if path is None:
+        return RunConfig()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    return parse_config(data, str(path))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The config as TOML (written into the run directory for --resume)."""
+    out: list[str] = [f"seed = {cfg.seed}"]
+    for name, section in cfg:
+        if not isinstance(section, BaseModel):
+            continue
+        out.append(f"\n[{name}]")
+        for key, value in section:
+            out.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(out) + "\n"
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,134 @@
+"""The supervised warm start: fine-tune on demonstrations that tidal generates itself.
+
+Each demonstration (chat messages with ideal tool calls, `tidal.agent.demonstrations`)
+is rendered through the model's own chat template, one message at a time, so the tokens
+trained for an assistant turn are exactly those the model must later generate after the
+gateway's prompt (`<|im_start|>assistant\\n`): the turn's text through its end-of-turn
+token. Everything else (system, user, tool results, the role headers) is context only.
+
+Deliberately simple: plain cross-entropy with AdamW on right-padded batches; no packing,
+no scheduler. It runs for a few dozen steps on a tiny model.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tidal.agent.tasks import Demonstration
+from tidal.agent.tools import tool_schemas
+
+
+@dataclass(frozen=True)
+class Example:
+    """Token ids of one rendered demonstration; `train_mask[i]` marks assistant tokens."""
+
+    ids: tuple[int, ...]
+    train_mask: tuple[bool, ...]
+
+
+def render_demonstration(tokenizer: Any, demo: Demonstration, end_token: str) -> Example:
+    """Render a demonstration turn by turn through the chat template; an assistant turn
+    is trained through its `end_token` (the token the engine stops on)."""
+    tools = tool_schemas(demo.tools)
+    msgs = list(demo.messages)
+    ids: list[int] = []
+    mask: list[bool] = []
+    rendered = ""
+    for i, msg in enumerate(msgs):
+        if msg["role"] == "assistant":
+            head = tokenizer.apply_chat_template(
+                msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            full = tokenizer.apply_chat_template(msgs[: i + 1], tools=tools, tokenize=False)
+            if not (head.startswith(rendered) and full.startswith(head)):
+                raise ValueError("chat template does not render incrementally")
+            ctx = tokenizer.encode(head[len(rendered):], add_special_tokens=False)
+            turn_text = full[len(head):]
+            end = turn_text.find(end_token)
+            if end < 0:
+                raise ValueError(f"assistant turn {i} has no {end_token!r} in the template")
+            body = turn_text[: end + len(end_token)]
+            turn = tokenizer.encode(body, add_special_tokens=False)
+            ids += ctx + turn
+            mask += [False] * len(ctx) + [True] * len(turn)
+            rendered = head + body
+    return Example(tuple(ids), tuple(mask))
+
+
+def end_of_turn(tokenizer: Any) -> str:
+    """The token that ends an assistant turn in this tokenizer's chat format."""
+    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+        if tok in tokenizer.get_vocab():
+            return tok
+    return str(tokenizer.eos_token)
+
+
+def render_all(tokenizer: Any, demos: Sequence[Demonstration]) -> list[Example]:
+    end = end_of_turn(tokenizer)
+    return [render_demonstration(tokenizer, d, end) for d in demos]
+
+
+def _batch(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), n), -100, dtype=torch.long)
+    for i, e in enumerate(examples):
+        t = torch.tensor(e.ids, dtype=torch.long)
+        ids[i, : len(e.ids)] = t
+        m = torch.tensor(e.train_mask, dtype=torch.bool)
+        labels[i, : len(e.ids)] = torch.where(m, t, torch.full_like(t, -100))
+    return ids, labels
+
+
+def masked_lm_loss(model: Any, ids_B_T: torch.Tensor, labels_B_T: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on labelled positions only. The vocabulary projection runs on those
+    positions alone: with a 151k vocabulary, full logits would dwarf the rest of the model.
+    Right padding needs no attention mask: pads only follow the real tokens."""
+    hidden_B_T_H = model.base_model(input_ids=ids_B_T).last_hidden_state
+    target_B_T = labels_B_T[:, 1:]
+    keep_B_T = target_B_T != -100
+    logits_N_V = model.get_output_embeddings()(hidden_B_T_H[:, :-1][keep_B_T])
+    return torch.nn.functional.cross_entropy(logits_N_V.float(), target_B_T[keep_B_T])
+
+
+def warm_start(
+    model: torch.nn.Module,
+    examples: Sequence[Example],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    pad_id: int,
+    seed: int,
+    on_step: Callable[[int, float, float], None] | None = None,
+) -> list[float]:
+    """Fine-tune `model` in place; returns the loss of each step."""
+    if not examples:
+        raise ValueError("warm start needs at least one demonstration")
+    rng = random.Random(seed)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = rng.sample(list(examples), min(batch_size, len(examples)))
+        ids, labels = _batch(batch, pad_id)
+        ids, labels = ids.to(device), labels.to(device)
+        loss = masked_lm_loss(model, ids, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = loss.item()
+        losses.append(value)
+        if on_step is not None:
+            on_step(step, value, time.perf_counter() - t0)
+    model.eval()
+    return losses

@@ -1,0 +1,398 @@
+"""Tree trainer: recompute old log-probabilities, correct, PPO/GRPO loss, backward, step.
+
+`TreeTrainer.step(trees)`:
+1. `pack_trees` (DFS streams, several trees per stream, big trees partitioned);
+2. `recompute_logprobs` without gradient (the trainer's pre-update log-probabilities),
+   capturing per-layer keys/values of partitioned trees;
+3. importance correction against the engine's rollout log-probabilities, the loss
+   denominators D_g over the whole batch, mismatch metrics;
+4. one forward + backward per stream, in reverse stream order. A partition's ancestor
+   context is the keys/values cached in step 2 (leaf tensors); after its backward their
+   gradients are added into a per-token K/V gradient buffer, which the earlier partition
+   that produced those keys injects into its own backward. The sum over partitions is
+   then exactly the gradient of the unpartitioned tree, with no context token
+   recomputed; the cost is 2 x layers x tokens x kv_dim cached values (and as many
+   gradients) for partitioned trees only;
+5. optional gradient-norm clip, optimizer step.
+
+Shape letters: N targets, P pairs, B branches, V vocabulary, G key/value heads, U tokens
+of a tree, D head dim.
+
+Deliberately simplified: one optimizer step per batch (no PPO mini-batches or epochs),
+so the PPO ratio r is 1 at the step and the clip only acts through its gradient; the
+loss assumes logits = lm_head(hidden) (Qwen2/Qwen3/Llama; no final logit soft-capping).
+"""
+
+# ruff: noqa: N815 - shape-suffix field names (old_N) are the project convention
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from tidal.train.attention import StreamPlan, enable_tree_attention
+from tidal.train.loss import LossConfig, pair_correction, pair_loss
+from tidal.train.packing import PackedBatch, PackedStream, pack_trees
+from tidal.tree.types import TrainTree
+
+DEFAULT_MAX_MASK_BYTES = 2 << 30
+
+
+class KVCache:
+    """Per-layer keys/values (and their gradients) of partitioned trees, by DFS index."""
+
+    def __init__(self) -> None:
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grad: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def store(self, tree: int, start: int, n_tree_tokens: int, plan: StreamPlan) -> None:
+        for layer, (k, v) in plan.captured.items():
+            key = (tree, layer)
+            if key not in self.kv:
+                shape = (*k.shape[:2], n_tree_tokens, k.shape[3])
+                self.kv[key] = (k.new_zeros(shape), v.new_zeros(shape))
+            K, V = self.kv[key]
+            K[:, :, start : start + k.shape[2]] = k.detach()
+            V[:, :, start : start + v.shape[2]] = v.detach()
+
+    def context(
+        self, stream: PackedStream, n_layers: int, requires_grad: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for layer in range(n_layers):
+            K, V = self.kv[(stream.ctx_tree, layer)]
+            idx = torch.as_tensor(stream.ctx_pre_C, device=K.device)
+            k, v = K.index_select(2, idx), V.index_select(2, idx)
+            out.append((k.requires_grad_(requires_grad), v.requires_grad_(requires_grad)))
+        return out
+
+    def add_grad(self, stream: PackedStream, ctx: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        idx = None
+        for layer, (k, v) in enumerate(ctx):
+            key = (stream.ctx_tree, layer)
+            if key not in self.grad:
+                K, _ = self.kv[key]
+                self.grad[key] = (torch.zeros_like(K), torch.zeros_like(K))
+            gK, gV = self.grad[key]
+            idx = torch.as_tensor(stream.ctx_pre_C, device=gK.device) if idx is None else idx
+            if k.grad is not None:
+                gK.index_add_(2, idx, k.grad)
+            if v.grad is not None:
+                gV.index_add_(2, idx, v.grad)
+
+    def own_grads(
+        self, tree: int, start: int, plan: StreamPlan
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(k, v, dk, dv) for this stream's captured keys/values that later streams used."""
+        out = []
+        for layer, (k, v) in plan.captured.items():
+            g = self.grad.get((tree, layer))
+            if g is None:
+                continue
+            n = k.shape[2]
+            out.append((k, v, g[0][:, :, start : start + n], g[1][:, :, start : start + n]))
+        return out
+
+
+def _n_layers(model: torch.nn.Module) -> int:
+    return int(getattr(model.config, "num_hidden_layers"))  # noqa: B009
+
+
+def stream_logprobs(model: torch.nn.Module, plan: StreamPlan) -> torch.Tensor:
+    """Log-probabilities [N] of the stream's targets, each read at its predecessor."""
+    st = plan.stream
+    dev = plan.device
+    base = model.get_decoder()  # type: ignore[operator]
+    ids = torch.as_tensor(st.input_ids_T, device=dev)[None]
+    pos = torch.as_tensor(st.position_ids_T, device=dev)[None]
+    out = base(
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask={"full_attention": plan, "sliding_attention": plan},
+        use_cache=False,
+    )
+    h_N = out.last_hidden_state[0].index_select(0, torch.as_tensor(st.target_pred_N, device=dev))
+    logits_N_V = model.get_output_embeddings()(h_N).float()  # type: ignore[operator]
+    tgt = torch.as_tensor(st.target_ids_N, device=dev)
+    return logits_N_V.gather(1, tgt[:, None])[:, 0] - logits_N_V.logsumexp(-1)
+
+
+def recompute_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    attention: str = "auto",
+    max_mask_bytes: int = DEFAULT_MAX_MASK_BYTES,
+    kv_cache: KVCache | None = None,
+) -> torch.Tensor:
+    """Trainer log-probabilities [N] of every target, without gradient (global order).
+
+    Partitioned trees always go through a K/V cache (a fresh one when none is given);
+    pass `kv_cache` to keep it for a backward pass.
+    """
+    enable_tree_attention(model)
+    dev = next(model.parameters()).device
+    cache = kv_cache if kv_cache is not None else KVCache()
+    n_layers = _n_layers(model)
+    out = torch.zeros(batch.n_targets, device=dev)
+    with torch.no_grad():
+        for st in batch.streams:
+            ctx = cache.context(st, n_layers, False) if st.n_context else None
+            plan = StreamPlan(
+                st,
+                dev,
+                backend=attention,
+                max_mask_bytes=max_mask_bytes,
+                ctx_kv=ctx,
+                capture=st.partition is not None,
+            )
+            lp = stream_logprobs(model, plan)
+            out[st.target_offset : st.target_offset + st.n_targets] = lp
+            if st.partition is not None:
+                tree, start = st.partition
+                cache.store(tree, start, batch.layouts[tree].n_tokens, plan)
+    return out
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    loss: float
+    token_kl: float  # mean over trained tokens of (rollout - trainer) log-probability
+    seq_kl: float  # mean over branches of the summed token KL
+    k3_kl: float
+    chi2: float
+    ess: float  # effective sample size of rho, normalised to (0, 1]
+    masked_fraction: float  # pairs masked by the correction
+    is_clipped_fraction: float  # pairs whose importance weight was truncated or masked
+    ppo_clip_fraction: float
+    mean_abs_logprob_diff: float
+    max_abs_logprob_diff: float
+    tree_token_ratio: float  # path tokens / unique tokens
+    tokens: int
+    path_tokens: int
+    streams: int
+    grad_norm: float
+    seconds: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class PairTerms:
+    """Batch-level pair arrays after correction, shared by all streams' losses."""
+
+    old_N: torch.Tensor
+    ref_N: torch.Tensor | None
+    adv_P: torch.Tensor
+    w_P: torch.Tensor
+    scale_P: torch.Tensor  # coef_b * m / (D_g * G): the pair's weight in the batch loss
+    m_P: torch.Tensor
+    delta_N: torch.Tensor
+    pair_target_P: torch.Tensor  # global target index
+    pair_branch_P: torch.Tensor
+
+
+def build_pair_terms(
+    batch: PackedBatch,
+    old_N: torch.Tensor,
+    cfg: LossConfig,
+    ref_N: torch.Tensor | None = None,
+) -> PairTerms:
+    dev = old_N.device
+    tgt = torch.as_tensor(
+        np.concatenate([s.pair_target_P + s.target_offset for s in batch.streams]), device=dev
+    )
+    br = torch.as_tensor(np.concatenate([s.pair_branch_P for s in batch.streams]), device=dev)
+    roll = torch.as_tensor(batch.rollout_logprobs_N, device=dev)
+    delta = old_N - roll
+    n_b = int(batch.branch_advantage_B.shape[0])
+    w, m = pair_correction(delta, tgt, br, n_b, cfg)
+    coef = torch.as_tensor(batch.branch_coef_B, device=dev)[br]
+    grp = torch.as_tensor(batch.branch_group_B, device=dev)[br]
+    G = len(batch.group_names)
+    D = torch.zeros(G, device=dev).index_add_(0, grp, coef * m)
+    inv = torch.where(D > 0, 1.0 / (D * G), torch.zeros_like(D))
+    return PairTerms(
+        old_N=old_N,
+        ref_N=ref_N,
+        adv_P=torch.as_tensor(batch.branch_advantage_B, device=dev)[br],
+        w_P=w,
+        scale_P=coef * m * inv[grp],
+        m_P=m,
+        delta_N=delta,
+        pair_target_P=tgt,
+        pair_branch_P=br,
+    )
+
+
+def stream_loss(
+    new_N: torch.Tensor, st: PackedStream, terms: PairTerms, pair_offset: int, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This stream's share of the batch loss, and its PPO clip indicator per pair."""
+    sl = slice(pair_offset, pair_offset + st.pair_target_P.shape[0])
+    tg_local = terms.pair_target_P[sl] - st.target_offset
+    tg = terms.pair_target_P[sl]
+    ref = terms.ref_N[tg] if terms.ref_N is not None else None
+    loss_P, clip_P = pair_loss(
+        new_N[tg_local], terms.old_N[tg], terms.adv_P[sl], terms.w_P[sl], cfg=cfg, ref=ref
+    )
+    return (terms.scale_P[sl] * loss_P).sum(), clip_P
+
+
+def tree_loss_backward(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    terms: PairTerms,
+    cfg: LossConfig,
+    kv_cache: KVCache,
+    *,
+    attention: str = "auto",
+    max_mask_bytes: int = DEFAULT_MAX_MASK_BYTES,
+) -> tuple[float, float]:
+    """Accumulate the batch loss gradient into the model; returns (loss, ppo clip frac)."""
+    dev = next(model.parameters()).device
+    n_layers = _n_layers(model)
+    offsets = np.concatenate([[0], np.cumsum([s.pair_target_P.shape[0] for s in batch.streams])])
+    total = 0.0
+    clipped = 0.0
+    for si in range(len(batch.streams) - 1, -1, -1):
+        st = batch.streams[si]
+        ctx = kv_cache.context(st, n_layers, True) if st.n_context else None
+        plan = StreamPlan(
+            st,
+            dev,
+            backend=attention,
+            max_mask_bytes=max_mask_bytes,
+            ctx_kv=ctx,
+            capture=st.partition is not None,
+        )
+        new_N = stream_logprobs(model, plan)
+        loss, clip_P = stream_loss(new_N, st, terms, int(offsets[si]), cfg)
+        tensors: list[torch.Tensor] = [loss]
+        grads: list[torch.Tensor] = [torch.ones_like(loss)]
+        if st.partition is not None:
+            for k, v, dk, dv in kv_cache.own_grads(*st.partition, plan):
+                tensors += [k, v]
+                grads += [dk, dv]
+        if any(t.requires_grad for t in tensors):
+            torch.autograd.backward(tensors, grads)
+        if ctx is not None:
+            kv_cache.add_grad(st, ctx)
+        total += float(loss.detach())
+        clipped += float(clip_P.sum())
+    n_pairs = int(offsets[-1])
+    return total, clipped / max(n_pairs, 1)
+
+
+def mismatch_metrics(batch: PackedBatch, terms: PairTerms, cfg: LossConfig) -> dict[str, float]:
+    """Rollout vs trainer mismatch over unique trained tokens (and branches for seq_kl).
+
+    delta = trainer - rollout log-probability, rho = exp(delta):
+    token_kl = mean(-delta), k3 = mean(rho - delta - 1) (both estimate
+    KL(rollout || trainer) from the rollout's samples), chi2 = mean(rho^2) - 1,
+    ess = (sum rho)^2 / (n sum rho^2), seq_kl = mean over branches of sum(-delta).
+    is_clipped_fraction: pairs whose weight was truncated at C (tis, seq_tis).
+    """
+    d = terms.delta_N.double()
+    rho = d.exp()
+    n_b = int(batch.branch_advantage_B.shape[0])
+    seq = torch.zeros(n_b, dtype=d.dtype, device=d.device)
+    seq.index_add_(0, terms.pair_branch_P, -d[terms.pair_target_P])
+    if cfg.correction == "tis":
+        truncated = rho[terms.pair_target_P] > cfg.C
+    elif cfg.correction == "seq_tis":
+        truncated = (-seq)[terms.pair_branch_P] > math.log(cfg.C)
+    else:
+        truncated = torch.zeros_like(terms.m_P, dtype=torch.bool)
+    return {
+        "token_kl": float((-d).mean()),
+        "seq_kl": float(seq.mean()),
+        "k3_kl": float((rho - d - 1).mean()),
+        "chi2": float((rho**2).mean() - 1),
+        "ess": float(rho.sum() ** 2 / (rho.numel() * (rho**2).sum())),
+        "masked_fraction": float((terms.m_P == 0).double().mean()),
+        "is_clipped_fraction": float(truncated.double().mean()),
+        "mean_abs_logprob_diff": float(d.abs().mean()),
+        "max_abs_logprob_diff": float(d.abs().max()),
+    }
+
+
+class TreeTrainer:
+    """Owns one policy update per call of `step`: pack, recompute, correct, loss, step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_config: LossConfig,
+        *,
+        max_tokens: int = 8192,
+        ref_model: torch.nn.Module | None = None,
+        attention: str = "auto",
+        max_grad_norm: float | None = 1.0,
+        max_mask_bytes: int = DEFAULT_MAX_MASK_BYTES,
+    ) -> None:
+        if loss_config.kl_coef and ref_model is None:
+            raise ValueError("loss_config.kl_coef > 0 needs a ref_model")
+        self.model = model
+        self.optimizer = optimizer
+        self.cfg = loss_config
+        self.max_tokens = max_tokens
+        self.ref_model = ref_model
+        self.attention = attention
+        self.max_grad_norm = max_grad_norm
+        self.max_mask_bytes = max_mask_bytes
+        enable_tree_attention(model)
+        if ref_model is not None:
+            enable_tree_attention(ref_model)
+
+    def step(self, trees: Sequence[TrainTree]) -> StepMetrics:
+        t0 = time.perf_counter()
+        batch = pack_trees(trees, self.max_tokens)
+        cache = KVCache()
+        old = recompute_logprobs(
+            self.model,
+            batch,
+            attention=self.attention,
+            max_mask_bytes=self.max_mask_bytes,
+            kv_cache=cache,
+        )
+        ref = None
+        if self.cfg.kl_coef and self.ref_model is not None:
+            ref = recompute_logprobs(
+                self.ref_model, batch, attention=self.attention, max_mask_bytes=self.max_mask_bytes
+            )
+        terms = build_pair_terms(batch, old, self.cfg, ref)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, clip_frac = tree_loss_backward(
+            self.model,
+            batch,
+            terms,
+            self.cfg,
+            cache,
+            attention=self.attention,
+            max_mask_bytes=self.max_mask_bytes,
+        )
+        grad_norm = float("nan")
+        if self.max_grad_norm is not None:
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            )
+        self.optimizer.step()
+        mm = mismatch_metrics(batch, terms, self.cfg)
+        return StepMetrics(
+            loss=loss,
+            ppo_clip_fraction=clip_frac,
+            tree_token_ratio=batch.path_tokens / max(batch.unique_tokens, 1),
+            tokens=batch.unique_tokens,
+            path_tokens=batch.path_tokens,
+            streams=len(batch.streams),
+            grad_norm=grad_norm if not math.isnan(grad_norm) else 0.0,
+            seconds=time.perf_counter() - t0,
+            **mm,
+        )

@@ -1,0 +1,59 @@
+"""The run config: defaults, unknown keys, impossible values, and docs that cover it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from tidal.run.config import ConfigError, RunConfig, dump_config, load_config
+
+DOCS = Path(__file__).parents[2] / "docs" / "config.md"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_default_round_trips_through_toml(tmp_path: Path) -> None:
+    cfg = load_config(None)
+    assert load_config(_write(tmp_path, dump_config(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[rollout]\nworkerz = 3\n", r"rollout\.workerz: unknown key"),
+        ("colour = 1\n", r"colour: unknown key"),
+        ("[rl]\nsteps = -1\n", r"rl\.steps: Input should be greater than or equal to 0"),
+        ("[rl]\ncorrection = 'magic'\n", r"rl\.correction"),
+        ("[tasks]\nname = 'chess'\n", "tasks.name 'chess' is not a built-in task set"),
+        ("[rl]\nsteps = 0\n[warmstart]\nsteps = 0\n", "nothing to do"),
+        ("[model]\ndevice = 'tpu'\n", r"model\.device"),
+        ("[rollout\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_is_refused_with_the_field(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, text))
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(Path("/nonexistent/tidal.toml"))
+
+
+def test_every_field_is_documented() -> None:
+    doc = DOCS.read_text()
+    cfg = RunConfig()
+    for name, section in cfg:
+        if isinstance(section, BaseModel):
+            assert f"[{name}]" in doc
+            for key, _ in section:
+                assert re.search(rf"^{key} = ", doc, re.M), f"{name}.{key} undocumented"
+        else:
+            assert re.search(rf"^{name} = ", doc, re.M)
