@@ -22,6 +22,7 @@ import pytest
 from tidal.ledger import LedgerStore
 from tidal.run.config import parse_config
 from tidal.run.loop import RunError, run
+from tidal.run.report import render_report
 from tidal.tree import process_store
 
 SMALL = {
@@ -53,6 +54,9 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
     assert all("k3_kl" in r and "tree_token_ratio" in r for r in rl)
     assert {r["phase"] for r in rows} == {"warmstart", "eval", "rl"}
     assert (out / "tb").is_dir() and (out / "summary.json").exists()
+    assert list((out / "trees").glob("*.html")), "no sample tree pages for the report"
+    page = render_report(out)
+    assert page.count("<svg") >= 3 and 'href="trees/' in page
     with LedgerStore(out / "ledger.db", readonly=True) as store:
         assert store.check() == []
         infos = store.sessions()

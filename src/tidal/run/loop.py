@@ -42,6 +42,7 @@ from tidal.run.warmstart import render_all, warm_start
 from tidal.train.loss import LossConfig
 from tidal.train.trainer import TreeTrainer
 from tidal.tree import process_store
+from tidal.tree.html import render_episode_html
 
 
 class RunError(RuntimeError):
@@ -158,6 +159,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
 
             # -- 3. RL steps ------------------------------------------------------------
             rng = random.Random(cfg.seed * 1000 + state.step)
+            sessions: list[str] = []  # the last step's sessions: sample trees for the report
             log.phase("rl", cfg.rl.steps, done=state.step)
             while state.step < cfg.rl.steps:
                 t0, cpu0 = time.perf_counter(), _cpu_seconds()
@@ -200,6 +202,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
             # -- 4. final evaluation and summary -----------------------------------------
             log.phase("eval", len(heldout))
             end = evaluate("end")
+            _sample_trees(store, sessions, run_dir / "trees", tokenizer.decode)
     finally:
         gateway.stop()
         engine.close()
@@ -218,6 +221,23 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log.close()
     return summary
+
+
+def _sample_trees(
+    store: LedgerStore, session_ids: list[str], out: Path, decode: Any, n: int = 4
+) -> None:
+    """Tree pages of a few episodes of the last step, for `tidal report`."""
+    if not session_ids:
+        return
+    out.mkdir(exist_ok=True)
+    res = process_store(store, session_ids, keep_graphs=True, strict=False)
+    reports = {r.episode_id: r for r in res.episodes}
+    for g in res.graphs[:n]:
+        rep = reports[g.episode_id]
+        sids = {s.session_id for s in g.sessions}
+        branches = [b for t in res.trees for b in t.branches if b.session_id in sids]
+        page = render_episode_html(g, rep, branches, decode=decode)
+        (out / f"{g.episode_id}.html").write_text(page, encoding="utf-8")
 
 
 def _staleness(tree: Any, version: int) -> int:
