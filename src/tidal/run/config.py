@@ -59,7 +59,7 @@ class WarmstartConfig(_Section):
 
 class RLConfig(_Section):
     steps: int = Field(20, ge=0, description="RL training steps")
-    lr: float = Field(1e-3, gt=0, description="learning rate")
+    lr: float = Field(1e-4, gt=0, description="learning rate")
     max_paths: int = Field(5, ge=1, description="J: paths trained per episode")
     normalization: Literal["two_level", "token", "path"] = Field(
         "two_level", description="loss normalisation (docs/trees.md)"
