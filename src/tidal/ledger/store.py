@@ -39,6 +39,7 @@ from tidal.ledger.types import (
     PromptDelta,
     Status,
     StoredCall,
+    call_to_dict,
     validate_call,
 )
 
@@ -112,30 +113,21 @@ def _chain(prev: str, content_hash: str) -> str:
     return hashlib.sha256((prev + content_hash).encode()).hexdigest()
 
 
+_ARRAY_FIELDS = ("type", "prompt_ids", "output_ids", "output_logprobs")
+
+
 def _call_header(call: Call, delta: PromptDelta) -> str:
-    return canonical_json(
-        {
-            "session_id": call.session_id,
-            "call_id": call.call_id,
-            "role": call.role,
-            "task_id": call.task_id,
-            "parent_call_id": call.parent_call_id,
-            "parent_session_id": call.parent_session_id,
-            "base_call_id": delta.base_call_id,
-            "prefix_len": delta.prefix_len,
-            "prompt_len": delta.prompt_len,
-            "output_len": int(call.output_ids.shape[0]),
-            "output_text": call.output_text,
-            "raw_tool_calls": call.raw_tool_calls,
-            "tool_calls": call.tool_calls,
-            "policy_version": call.policy_version,
-            "finish_reason": call.finish_reason,
-            "started_at": call.started_at,
-            "ended_at": call.ended_at,
-            "sampling": call.sampling,
-            "metadata": call.metadata,
-        }
-    )
+    """Every scalar field of the call (the JSONL contract's, minus the token arrays) plus
+    the prompt delta, as canonical JSON: what the content hash covers with the blobs."""
+    fields = {k: v for k, v in call_to_dict(call, as_lists=False).items()
+              if k not in _ARRAY_FIELDS}
+    return canonical_json({
+        **fields,
+        "base_call_id": delta.base_call_id,
+        "prefix_len": delta.prefix_len,
+        "prompt_len": delta.prompt_len,
+        "output_len": int(call.output_ids.shape[0]),
+    })
 
 
 def _call_hash(header: str, suffix: bytes, output: bytes, logprobs: bytes) -> str:
