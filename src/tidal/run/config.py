@@ -30,7 +30,7 @@ class ModelConfig(_Section):
 
 
 class TasksConfig(_Section):
-    name: str = Field("digits", description="built-in task set: digits, tools or mixed")
+    name: str = Field("files", description="built-in task set (docs/agent.md)")
     train_size: int = Field(64, ge=1, description="tasks sampled for RL")
     heldout_size: int = Field(32, ge=1, description="held-out tasks for evaluation")
     time_limit_s: float = Field(60.0, gt=0, description="per-session wall-clock limit")
