@@ -70,6 +70,12 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_config(cfg))
     state = load_state(ckpt) if (resume and ckpt) else RunState()
+    earlier_s = state.elapsed_s  # wall clock of attempts before this one (a resume)
+
+    def checkpoint(st: RunState) -> RunState:
+        st = st.advance(elapsed_s=earlier_s + time.time() - t_start)
+        save_checkpoint(run_dir, policy, optimizer, st)
+        return st
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = _device(cfg.model.device)
@@ -148,11 +154,11 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                              "seconds": time.perf_counter() - t0})
                 state = state.advance(warmstart_done=True, policy_version=1)
                 sync_engine(1)
-                save_checkpoint(run_dir, policy, optimizer, state)
+                state = checkpoint(state)
             if state.success_rate_start is None:
                 log.phase("eval", len(heldout))
                 state = state.advance(success_rate_start=evaluate("start"))
-                save_checkpoint(run_dir, policy, optimizer, state)
+                state = checkpoint(state)
 
             # -- 2. resume bookkeeping: finish what a killed attempt left ---------------
             carry = _recover(store, state)
@@ -188,7 +194,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                     sessions=state.sessions + len(sessions),
                 )
                 sync_engine(state.policy_version)
-                save_checkpoint(run_dir, policy, optimizer, state)
+                state = checkpoint(state)
                 carry = []
                 wall = time.perf_counter() - t0
                 log.metrics(_step_row(
@@ -212,7 +218,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         "success_rate_start": state.success_rate_start,
         "success_rate_end": end,
         "steps": state.step,
-        "minutes": round((state.elapsed_s + time.time() - t_start) / 60, 2),
+        "minutes": round((earlier_s + time.time() - t_start) / 60, 2),
         "sessions": state.sessions,
         "drift_tokens": report.model_tokens - report.model_tokens_verbatim,
         "verify_ok": report.ok,
