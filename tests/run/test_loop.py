@@ -28,7 +28,8 @@ from tidal.tree import process_store
 SMALL = {
     "tasks": {"name": "tools", "train_size": 3, "heldout_size": 1, "time_limit_s": 120},
     "rollout": {"workers": 3, "group_size": 2, "tasks_per_step": 3, "max_turns": 4,
-                "max_tokens": 64, "context_budget": 64, "temperature": 0.2},
+                "max_tokens": 64, "context_budget": 64, "temperature": 0.2,
+                "tools": ["bash", "read_file", "write_file", "spawn_subagent", "finish"]},
     "warmstart": {"steps": 30, "batch_size": 4, "lr": 0.003},
     "rl": {"steps": 2, "max_tokens_per_stream": 2048},
     "eval": {"every": 5},

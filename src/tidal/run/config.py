@@ -46,14 +46,18 @@ class RolloutConfig(_Section):
     context_budget: int = Field(
         4096, ge=64, description="tokens of context before the harness compacts"
     )
+    tools: tuple[str, ...] = Field(
+        ("write_file", "finish"),
+        description="tools offered to the agent (and in the warm start's demonstrations)",
+    )
     sandbox: Literal["bwrap", "local"] = Field(
         "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted)"
     )
 
 
 class WarmstartConfig(_Section):
-    steps: int = Field(40, ge=0, description="supervised steps on generated demonstrations")
-    batch_size: int = Field(8, ge=1, description="demonstrations per step")
+    steps: int = Field(100, ge=0, description="supervised steps on generated demonstrations")
+    batch_size: int = Field(16, ge=1, description="demonstrations per step")
     lr: float = Field(3e-3, gt=0, description="learning rate")
 
 
@@ -102,6 +106,14 @@ class RunConfig(_Section):
             raise ValueError(
                 "rollout.max_tokens x rollout.max_turns is far beyond rollout.context_budget: "
                 "sessions would compact every turn"
+            )
+        from tidal.agent.tools import ALL_TOOLS
+
+        unknown = [t for t in self.rollout.tools if t not in ALL_TOOLS]
+        if unknown or "finish" not in self.rollout.tools:
+            raise ValueError(
+                f"rollout.tools must name tools from {', '.join(ALL_TOOLS)} and include "
+                f"finish; got {list(self.rollout.tools)}"
             )
         if self.rl.steps == 0 and self.warmstart.steps == 0:
             raise ValueError("nothing to do: warmstart.steps and rl.steps are both 0")
@@ -152,6 +164,8 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 def _toml_value(v: object) -> str:
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):

@@ -21,14 +21,14 @@ import os
 import random
 import resource
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tidal.agent.harness import AgentConfig
-from tidal.agent.tasks import Task, demonstrations, load_taskset
+from tidal.agent.tasks import Demonstration, Task, demonstrations, load_taskset
 from tidal.engine.embedded import EmbeddedEngine
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
@@ -105,7 +105,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     agent_cfg = AgentConfig(
         max_turns=cfg.rollout.max_turns, time_limit_s=cfg.tasks.time_limit_s,
         context_budget_tokens=cfg.rollout.context_budget, max_tokens=cfg.rollout.max_tokens,
-        temperature=cfg.rollout.temperature,
+        temperature=cfg.rollout.temperature, tools=cfg.rollout.tools,
     )
     eval_cfg = AgentConfig(**{**asdict(agent_cfg), "temperature": cfg.eval.temperature})
     new_runtime = runtime_factory(cfg.rollout.sandbox)
@@ -139,7 +139,8 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         with log.live():
             # -- 1. warm start ----------------------------------------------------------
             if not state.warmstart_done:
-                demos = [d for t in train_tasks for d in demonstrations(t)]
+                demos = [_offer(d, cfg.rollout.tools) for t in train_tasks
+                         for d in demonstrations(t)]
                 examples = render_all(tokenizer, demos)
                 log.phase("warm start", cfg.warmstart.steps)
                 t0 = time.perf_counter()
@@ -227,6 +228,13 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log.close()
     return summary
+
+
+def _offer(demo: Demonstration, tools: tuple[str, ...]) -> Demonstration:
+    """The demonstration rendered with the tools the agent is offered in rollouts (a
+    subagent is never offered spawn_subagent), so the warm start sees the same prompt."""
+    allowed = tools if demo.role == "main" else tuple(t for t in tools if t != "spawn_subagent")
+    return replace(demo, tools=allowed)
 
 
 def _sample_trees(
