@@ -103,6 +103,18 @@ def _float(body: Mapping[str, Any], key: str, default: float, lo: float, hi: flo
     return float(v)
 
 
+def sampling_record(params: SamplingParams) -> dict[str, Any]:
+    """The sampling parameters as the ledger keeps them (one layout for every endpoint)."""
+    return {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "stop_token_ids": list(params.stop_token_ids),
+    }
+
+
 class Gateway:
     """Serves OpenAI-style requests from an `Engine`, recording every call in a ledger."""
 
@@ -355,14 +367,7 @@ class Gateway:
             parent_call_id=parent_call,
             parent_session_id=parent_session,
             task_id=route.task_id,
-            sampling={
-                "max_tokens": params.max_tokens,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,
-                "seed": params.seed,
-                "stop_token_ids": list(params.stop_token_ids),
-            },
+            sampling=sampling_record(params),
             metadata=meta,
         )
         self._commit(call, plan.base_hint)
@@ -475,13 +480,7 @@ class Gateway:
             parent_call_id=parent_call,
             parent_session_id=parent_session,
             task_id=route.task_id,
-            sampling={
-                "max_tokens": params.max_tokens,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,
-                "seed": params.seed,
-            },
+            sampling=sampling_record(params),
             metadata={"request": {"endpoint": "completions"}},
         )
         self._commit(call, None)
