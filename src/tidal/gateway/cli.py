@@ -1,6 +1,6 @@
 """`tidal serve` and `tidal verify`: wiring only (logic lives in server.py, verify.py).
 
-Heavy imports (torch, transformers, fastapi, uvicorn) happen inside the commands.
+Heavy imports (torch, transformers, starlette, uvicorn) happen inside the commands.
 """
 
 from __future__ import annotations
@@ -64,7 +64,14 @@ def serve(
         default_max_tokens=max_tokens,
     )
     typer.echo(f"tidal gateway: http://127.0.0.1:{port}/v1  (sessions: /sessions/<id>/v1)")
-    uvicorn.run(create_app(gw), host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(
+        create_app(gw),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        http="httptools",
+    )
 
 
 def verify(

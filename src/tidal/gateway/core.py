@@ -33,7 +33,13 @@ import numpy as np
 from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
 from tidal.gateway.drift import RecordedToolCall
 from tidal.gateway.family import ChatFamily, GatewayError, detect_family
-from tidal.gateway.messages import RequestError, parse_messages, parse_tools
+from tidal.gateway.messages import (
+    RequestError,
+    messages_text,
+    parse_message,
+    parse_messages,
+    parse_tools,
+)
 from tidal.gateway.render import Renderer
 from tidal.gateway.tito import RecordedTurn, SessionTurns, assemble_prompt, turn_key
 from tidal.gateway.toolcalls import ParsedOutput, parse_output
@@ -281,7 +287,20 @@ class Gateway:
         started = time.time()
         route.validate()
         self._check_model(body)
-        messages = parse_messages(body.get("messages"))
+        raw = body.get("messages")
+        text = messages_text(raw)
+        base = None
+        if text is not None and route.session_id is not None:
+            with self._lock:
+                kept = self._sessions.get(route.session_id)
+            base = kept.seen_prefix(text) if kept is not None else None
+        if base is not None and isinstance(raw, list):  # parse only the new messages
+            messages = [
+                *base.messages,
+                *(parse_message(raw[i], i) for i in range(len(base.messages), len(raw))),
+            ]
+        else:
+            messages = parse_messages(raw)
         tools = parse_tools(body.get("tools"))
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
         names = frozenset(t["function"]["name"] for t in tools or [])
@@ -309,12 +328,18 @@ class Gateway:
             if route.session_id is None
             else []
         )
-        tool_ids = [c.id for m in messages for c in m.tool_calls if c.id]
+        tool_ids = (
+            [c.id for m in messages for c in m.tool_calls if c.id]
+            if route.session_id is None
+            else []
+        )
         session_id = self._session_for(route, keys, tool_ids)
         parent_call, parent_session = self._parent(route, session_id)
         turns = self._turns(session_id)
+        if base is None and text is not None:
+            base = turns.seen_prefix(text)
         try:
-            plan = assemble_prompt(messages, tools, turns, self.renderer)
+            plan = assemble_prompt(messages, tools, turns, self.renderer, text=text, base=base)
         except GatewayError as e:
             raise RequestError(str(e), param="messages", code="template_error") from e
         params = self._sampling(body, int(plan.prompt_ids.shape[0]))

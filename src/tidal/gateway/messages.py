@@ -77,55 +77,66 @@ def _content(value: object, where: str) -> str | None:
 def parse_messages(value: object) -> list[Message]:
     if not isinstance(value, list) or not value:
         raise RequestError("messages must be a non-empty list", param="messages")
-    out: list[Message] = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, Mapping):
-            raise RequestError(f"{where} must be an object", param=where)
-        role = m.get("role")
-        if role not in ROLES:
-            raise RequestError(
-                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
-                param=f"{where}.role",
-            )
-        content = _content(m.get("content"), f"{where}.content")
-        calls: list[ClientToolCall] = []
-        raw_calls = m.get("tool_calls")
-        if raw_calls is not None and role != "assistant":
-            raise RequestError(
-                f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls"
-            )
-        for k, tc in enumerate(raw_calls or []):
-            tw = f"{where}.tool_calls[{k}]"
-            fn = tc.get("function") if isinstance(tc, Mapping) else None
-            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-                raise RequestError(f"{tw}.function.name must be a string", param=f"{tw}.function")
-            args = fn.get("arguments", "{}")
-            if not isinstance(args, str | Mapping | list):
-                raise RequestError(
-                    f"{tw}.function.arguments must be a JSON string or object",
-                    param=f"{tw}.function.arguments",
-                )
-            tcid = tc.get("id")
-            calls.append(
-                ClientToolCall(tcid if isinstance(tcid, str) and tcid else None, fn["name"], args)
-            )
-        if role in ("user", "system", "developer") and content is None:
-            raise RequestError(
-                f"{where}.content is required for role {role}", param=f"{where}.content"
-            )
-        tcid = m.get("tool_call_id")
-        name = m.get("name")
-        out.append(
-            Message(
-                role="system" if role == "developer" else role,
-                content=content,
-                tool_calls=tuple(calls),
-                tool_call_id=tcid if isinstance(tcid, str) and tcid else None,
-                name=name if isinstance(name, str) else None,
-            )
+    return [parse_message(m, i) for i, m in enumerate(value)]
+
+
+def messages_text(value: object) -> str | None:
+    """The request's messages as JSON text (types, key order and strings exactly), or None
+    when they are not JSON data. Two requests whose texts agree up to a message boundary
+    have equal messages up to there: `tidal.gateway.tito` keys its per-session cache of
+    parsed, fingerprinted and rendered prefixes on it."""
+    if not isinstance(value, list) or not value:
+        return None
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_message(m: object, i: int) -> Message:
+    """Validate message `i` of a request."""
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping):
+        raise RequestError(f"{where} must be an object", param=where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise RequestError(
+            f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+            param=f"{where}.role",
         )
-    return out
+    content = _content(m.get("content"), f"{where}.content")
+    calls: list[ClientToolCall] = []
+    raw_calls = m.get("tool_calls")
+    if raw_calls is not None and role != "assistant":
+        raise RequestError(
+            f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls"
+        )
+    for k, tc in enumerate(raw_calls or []):
+        tw = f"{where}.tool_calls[{k}]"
+        fn = tc.get("function") if isinstance(tc, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{tw}.function.name must be a string", param=f"{tw}.function")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str | Mapping | list):
+            raise RequestError(
+                f"{tw}.function.arguments must be a JSON string or object",
+                param=f"{tw}.function.arguments",
+            )
+        tcid = tc.get("id")
+        calls.append(
+            ClientToolCall(tcid if isinstance(tcid, str) and tcid else None, fn["name"], args)
+        )
+    if role in ("user", "system", "developer") and content is None:
+        raise RequestError(f"{where}.content is required for role {role}", param=f"{where}.content")
+    tcid = m.get("tool_call_id")
+    name = m.get("name")
+    return Message(
+        role="system" if role == "developer" else role,
+        content=content,
+        tool_calls=tuple(calls),
+        tool_call_id=tcid if isinstance(tcid, str) and tcid else None,
+        name=name if isinstance(name, str) else None,
+    )
 
 
 def parse_tools(value: object) -> list[dict[str, Any]] | None:

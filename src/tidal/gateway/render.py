@@ -20,7 +20,21 @@ Limits per family:
 - A family whose markers are not special tokens (plain-text formats) would need
   boundary-aware tokenization; not built in.
 
-Deliberately simplified: the whole conversation is re-rendered on each request (Jinja is
+Incremental rendering (`Renderer.extend_blocks`): a session's next request usually only
+appends messages, so its blocks are the previous request's blocks minus the generation
+prompt and the last message block (whose text may depend on what follows it, e.g. an
+open run of tool results), plus the blocks of a short render: the leading system message
+(if any), the messages from that last block on, the generation prompt. That is exact for
+a template whose block text depends only on its own message(s), the neighbours' roles and,
+for the leading system block, the tools; Qwen2.5's ChatML template is such a template.
+Whether a tokenizer's template is one is checked once per template, by comparing the
+incremental and the full render on probe conversations (every split point); a template
+that fails (Qwen3's re-renders earlier assistant turns when a user message follows) is
+always rendered whole. A short render's system block must also equal the cached one, and
+a conversation whose last block starts at a mid-conversation system message (which the
+short render would take for the leading one) is rendered whole.
+
+Deliberately simplified: the full path re-renders the whole conversation (Jinja is
 ~0.1 ms for short chats; O(conversation) text for long ones) while token ids are cached
 per block text; the model's blocks are never tokenized from text at all.
 """
@@ -36,10 +50,51 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tidal.gateway.drift import ClientToolCall
 from tidal.gateway.family import ChatFamily, GatewayError
 from tidal.gateway.messages import Message, template_message
 
 SYNTHETIC = -1  # message index of a block no message produced (default system prompt)
+
+_PROBE_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+    }
+]
+_PROBE_CALLS = (ClientToolCall("p1", "f", '{"x": 1}'), ClientToolCall("p2", "f", '{"x": 2}'))
+_PROBES: tuple[tuple[Message, ...], ...] = (
+    (
+        Message("system", "sys"),
+        Message("user", "u1"),
+        Message("assistant", "<think>r</think>a1"),
+        Message("user", "u2"),
+        Message("assistant", "", _PROBE_CALLS),
+        Message("tool", "r1", tool_call_id="p1"),
+        Message("tool", "r2", tool_call_id="p2"),
+        Message("assistant", "a2"),
+        Message("system", "mid"),
+        Message("user", "u3"),
+        Message("tool", "r3", tool_call_id="p1"),
+        Message("assistant", "<think>r</think>a3"),
+        Message("user", "u4"),
+    ),
+    (
+        Message("user", "u1"),
+        Message("assistant", "a1", _PROBE_CALLS[:1]),
+        Message("tool", "r1", tool_call_id="p1"),
+        Message("tool", "r2", tool_call_id="p2"),
+        Message("user", "ü2"),
+        Message("system", "mid"),
+        Message("assistant", "-"),
+        Message("user", "u3"),
+    ),
+)
+_INCREMENTAL_OK: dict[tuple[str, str], bool] = {}  # (chat template, family) -> probes passed
 
 
 @dataclass(frozen=True)
@@ -147,6 +202,26 @@ class Renderer:
             raise GatewayError(
                 f"{family.block_end!r} is not a single special token in this tokenizer"
             )
+        key = (str(getattr(tokenizer, "chat_template", "")), family.name)
+        ok = _INCREMENTAL_OK.get(key)
+        if ok is None:
+            ok = _INCREMENTAL_OK[key] = self._probe_incremental()
+        self.incremental = ok
+
+    def _probe_incremental(self) -> bool:
+        """Does `extend_blocks` give the full render's blocks on the probe conversations?"""
+        self.incremental = True
+        try:
+            for conv in _PROBES:
+                for tools in (None, _PROBE_TOOLS):
+                    for n in range(1, len(conv)):
+                        base = self.blocks(conv[:n], tools)
+                        got = self.extend_blocks(base, conv, tools)
+                        if got is not None and got != self.blocks(conv, tools):
+                            return False
+        except GatewayError:
+            return False
+        return True
 
     def encode(self, text: str) -> tuple[int, ...]:
         with self._lock:
@@ -194,6 +269,35 @@ class Renderer:
         return map_blocks(
             split_blocks(self.render(messages, tools), self.family), messages, self.family
         )
+
+    def extend_blocks(
+        self,
+        base: Sequence[Block],
+        messages: Sequence[Message],
+        tools: list[dict[str, Any]] | None,
+    ) -> list[Block] | None:
+        """`blocks(messages, tools)` from `base`, the blocks of a prefix of `messages`
+        rendered with the same tools, rendering only the prefix's last message block and
+        the messages after it (see the module docstring). None: render the whole instead.
+        The caller vouches that `base` came from `blocks` on that prefix."""
+        if not self.incremental or len(base) < 3 or not base[-1].generation:
+            return None
+        c = base[-2].first
+        if c <= 0:
+            return None  # nothing before the last block worth keeping
+        head = [messages[0]] if messages[0].role == "system" else []
+        if not head and messages[c].role == "system":
+            return None  # the short render would take it for the leading system message
+        short = [*head, *messages[c:]]
+        got = map_blocks(split_blocks(self.render(short, tools), self.family), short, self.family)
+        if got[0].text != base[0].text:
+            return None
+        shift = c - len(head)
+        tail = [
+            b if b.first == SYNTHETIC else Block(b.text, b.role, b.first + shift, b.last + shift)
+            for b in got[1:]
+        ]
+        return [*base[:-2], *tail]
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))

@@ -31,9 +31,11 @@ from typing import Any
 from urllib.parse import unquote
 
 import anyio
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HTTPRoute
 
 from tidal.gateway.core import Answer, Gateway, Route
 from tidal.gateway.messages import RequestError
@@ -196,16 +198,23 @@ def completion_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-def create_app(gateway: Gateway, *, max_concurrency: int = 256) -> FastAPI:
-    """The FastAPI app serving `gateway`."""
-    app = FastAPI(title="tidal gateway", docs_url=None, redoc_url=None, openapi_url=None)
+def _no_head(request: Request) -> None:
+    # Starlette answers HEAD wherever GET is allowed; these routes never did
+    if request.method == "HEAD":
+        raise StarletteHTTPException(405)
+
+
+def create_app(gateway: Gateway, *, max_concurrency: int = 256) -> Starlette:
+    """The ASGI app serving `gateway`: plain Starlette routes (the request bodies are
+    parsed and checked by `Gateway`, so FastAPI's validation layer had nothing to do but
+    cost ~0.1-0.2 ms a request)."""
     limiter = anyio.CapacityLimiter(max_concurrency)
 
     def err(e: RequestError) -> JSONResponse:
         return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         return JSONResponse(
             error_body(
                 str(exc.detail),
@@ -269,27 +278,36 @@ def create_app(gateway: Gateway, *, max_concurrency: int = 256) -> FastAPI:
             json.dumps(ans.body, ensure_ascii=False), media_type="application/json", headers=headers
         )
 
-    @app.api_route("/v1/{endpoint:path}", methods=["GET", "POST"])
-    async def v1(request: Request, endpoint: str) -> Response:
-        return await serve(request, endpoint, {})
+    async def v1(request: Request) -> Response:
+        _no_head(request)
+        return await serve(request, request.path_params["endpoint"], {})
 
-    @app.api_route("/sessions/{rest:path}", methods=["GET", "POST"])
-    async def sessions(request: Request, rest: str) -> Response:
+    async def sessions(request: Request) -> Response:
+        _no_head(request)
         try:
-            fields, endpoint = parse_session_path(rest)
+            fields, endpoint = parse_session_path(request.path_params["rest"])
         except RequestError as e:
             return err(e)
         return await serve(request, endpoint, fields)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "ok": True,
-            "model": gateway.engine.model_name,
-            "policy_version": gateway.policy_version,
-        }
+    async def health(request: Request) -> Response:
+        _no_head(request)
+        return JSONResponse(
+            {
+                "ok": True,
+                "model": gateway.engine.model_name,
+                "policy_version": gateway.policy_version,
+            }
+        )
 
-    return app
+    return Starlette(
+        routes=[
+            HTTPRoute("/v1/{endpoint:path}", v1, methods=["GET", "POST"]),
+            HTTPRoute("/sessions/{rest:path}", sessions, methods=["GET", "POST"]),
+            HTTPRoute("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={StarletteHTTPException: _http_error},
+    )
 
 
 class GatewayServer:
@@ -336,6 +354,7 @@ class GatewayServer:
             access_log=False,
             lifespan="off",
             timeout_keep_alive=30,
+            http="httptools",  # C parser: ~0.1 ms less per request than h11
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="tidal-gateway", daemon=True)

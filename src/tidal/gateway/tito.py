@@ -22,6 +22,22 @@ When the history before the latest model turn is unchanged, the recorded context
 (prompt + output) of that turn's call is then exactly a prefix of the new prompt: the
 call "continues" it, and `tidal verify` re-checks this from the ledger.
 
+Incremental assembly: a session's next request usually repeats the previous one's
+messages and appends a few. Each session keeps its last two assembled requests (`Seen`):
+the messages' JSON text, the parsed messages, the history fingerprints, the matching
+results and drift, the blocks and the prompt ids. A request whose messages' JSON text
+extends a kept one's at a message boundary, with the same tools, resumes from it: only
+the new messages are parsed, fingerprinted and matched, and only the tail is rendered
+(`Renderer.extend_blocks`) and spliced. The result is the full assembly's, exactly;
+`tests/gateway/test_pure.py` compares the two. The kept matching is redone in full when a
+turn recorded since could change it (one at a position inside the kept prefix, one that
+carries a tool-call id of the prefix, or one whose content key equals that of a prefix
+message matched only by key, by position, or not at all), and when the new messages start
+with a tool result (it may extend the prefix's last run of results); the kept render is
+dropped when the turns matched in the prefix differ. Requests whose tool-call arguments
+are objects rather than JSON strings are not kept (their JSON text does not pin every
+detail the template renders).
+
 Deliberately simplified: the recorded turns live in the gateway process's memory (a
 restart forgets them; earlier assistant messages are then rendered from text and counted
 as foreign turns in the call's metadata); a length-truncated output gets the closing
@@ -34,7 +50,8 @@ import ast
 import hashlib
 import json
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +68,9 @@ from tidal.gateway.drift import (
 )
 from tidal.gateway.messages import Message, message_fingerprint, tools_fingerprint
 from tidal.gateway.render import Block, Renderer
+
+_PLACEHOLDER = Message("assistant", "-")
+_KEPT_REQUESTS = 2  # assembled requests a session keeps for its next ones
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +104,7 @@ def turn_key(content: str | None, calls: Sequence[tuple[str, object]]) -> str:
 
 
 class SessionTurns:
-    """The recorded turns of one session (thread-safe)."""
+    """The recorded turns of one session, and its last assembled requests (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,6 +112,17 @@ class SessionTurns:
         self.by_tool_id: dict[str, str] = {}
         self.by_position: dict[int, list[str]] = {}
         self.by_key: dict[str, list[str]] = {}
+        self._added: list[tuple[RecordedTurn, str]] = []  # (turn, key) in order of adding
+        self._seen: deque[Seen] = deque(maxlen=_KEPT_REQUESTS)
+
+    @property
+    def version(self) -> int:
+        """How many turns were added so far."""
+        return len(self._added)
+
+    def added_since(self, version: int) -> list[tuple[RecordedTurn, str]]:
+        with self._lock:
+            return self._added[version:]
 
     def add(self, turn: RecordedTurn) -> None:
         key = turn_key(turn.content, [(c.name, c.arguments) for c in turn.tool_calls])
@@ -101,30 +132,58 @@ class SessionTurns:
                 self.by_tool_id[c.id] = turn.call_id
             self.by_position.setdefault(turn.position, []).append(turn.call_id)
             self.by_key.setdefault(key, []).append(turn.call_id)
+            self._added.append((turn, key))
+
+    def remember(self, seen: Seen) -> None:
+        with self._lock:
+            self._seen.append(seen)
+
+    def seen_prefix(self, text: str) -> Seen | None:
+        """The longest kept request whose messages are a prefix of (or equal to) those
+        whose JSON text is `text` (`tidal.gateway.messages.messages_text`)."""
+        with self._lock:
+            kept = list(self._seen)
+        best: Seen | None = None
+        for s in kept:
+            k = len(s.text)
+            # "[m0, m1]" vs "[m0, m1, m2]": equal up to "]", then the ", " of a next message
+            if (
+                text == s.text or (text.startswith(s.text[:-1]) and text[k - 1 : k + 1] == ", ")
+            ) and (best is None or k > len(best.text)):
+                best = s
+        return best
 
     def find(self, index: int, msg: Message, prefix_fp: bytes) -> tuple[RecordedTurn | None, bool]:
         """(turn, matched_by_identity). Identity = ids or cosmetic-equal content; a turn
         found only by position + same history is returned with False (an edit)."""
+        turn, identity, _ = self.find_how(index, msg, prefix_fp)
+        return turn, identity
+
+    def find_how(
+        self, index: int, msg: Message, prefix_fp: bytes
+    ) -> tuple[RecordedTurn | None, bool, str]:
+        """`find`, plus how: "id", "exact" (same text at the same place after the same
+        history), "key" (cosmetic-equal content), "position" or "none"."""
         with self._lock:
             for c in msg.tool_calls:
                 cid = self.by_tool_id.get(c.id or "")
                 if cid is not None:
-                    return self.by_call[cid], True
+                    return self.by_call[cid], True, "id"
             if not msg.tool_calls:  # fast path: the exact text this gateway returned
                 for cid in reversed(self.by_position.get(index, [])):
                     t = self.by_call[cid]
                     if not t.tool_calls and t.content == msg.content and t.prefix_fp == prefix_fp:
-                        return t, True
+                        return t, True, "exact"
             key = turn_key(msg.content, [(c.name, c.arguments) for c in msg.tool_calls])
             cands = self.by_key.get(key, [])
             if cands:
                 same = [c for c in cands if self.by_call[c].position == index]
-                return self.by_call[(same or cands)[-1]], True
+                return self.by_call[(same or cands)[-1]], True, "key"
             for cid in reversed(self.by_position.get(index, [])):
                 t = self.by_call[cid]
                 if t.prefix_fp == prefix_fp:
-                    return t, False
-        return None, False
+                    return t, False, "position"
+        return None, False, "none"
 
 
 @dataclass(frozen=True)
@@ -157,10 +216,46 @@ class PromptPlan:
         }
 
 
-def _fp_step(h: Any, m: Message) -> Any:
-    h = h.copy()
-    h.update(message_fingerprint(m))
-    return h
+@dataclass(frozen=True, eq=False)
+class Seen:
+    """One assembled request, kept so that the session's next request can resume from it
+    (see the module docstring). Never mutated; `final` is copied before it is extended."""
+
+    text: str  # the messages' JSON text
+    tools_fp: bytes
+    messages: tuple[Message, ...]
+    fps: tuple[bytes, ...]  # history fingerprint before each message
+    final: Any  # the fingerprint hash after all messages
+    version: int  # turns the session had when the matching ran
+    matches: Mapping[int, RecordedTurn]
+    loose: frozenset[str]  # keys of assistant messages matched by neither id nor exact text
+    tool_ids: frozenset[str]  # tool-call ids the assistant messages carry
+    drift: tuple[DriftRecord, ...]
+    foreign: int
+    blocks: tuple[Block, ...]
+    offsets: tuple[int, ...]  # where each block starts in the prompt
+    n_spliced: tuple[int, ...]  # spliced turns before each block
+    prompt_ids: npt.NDArray[np.int32]
+    spliced: tuple[Spliced, ...]
+
+
+def _args_are_text(messages: Sequence[Message]) -> bool:
+    return all(isinstance(c.arguments, str) for m in messages for c in m.tool_calls)
+
+
+def _still_matches(base: Seen, turns: SessionTurns, messages: Sequence[Message]) -> bool:
+    """Would matching the kept prefix again give the kept result?"""
+    n0 = len(base.messages)
+    if n0 < len(messages) and messages[n0].role == "tool":
+        return False
+    for turn, key in turns.added_since(base.version):
+        if (
+            turn.position < n0
+            or key in base.loose
+            or any(c.id in base.tool_ids for c in turn.tool_calls)
+        ):
+            return False
+    return True
 
 
 def assemble_prompt(
@@ -168,69 +263,143 @@ def assemble_prompt(
     tools: list[dict[str, Any]] | None,
     turns: SessionTurns,
     renderer: Renderer,
+    *,
+    text: str | None = None,
+    base: Seen | None = None,
 ) -> PromptPlan:
-    """Build the prompt ids for a request (see the module docstring)."""
-    h = hashlib.blake2b(tools_fingerprint(tools), digest_size=16)
-    fps: list[bytes] = []
+    """Build the prompt ids for a request (see the module docstring). `text`: the JSON
+    text of the request's messages (`messages_text`); with it the assembly is kept for the
+    session's next requests. `base`: a kept request whose messages are a prefix of these
+    (`SessionTurns.seen_prefix(text)`), to resume from."""
+    tools_fp = tools_fingerprint(tools)
+    n_msgs = len(messages)
+    use = base if base is not None and base.tools_fp == tools_fp else None
+    n0 = len(use.messages) if use is not None else 0
+    if use is not None:
+        fps = list(use.fps)
+        h = use.final.copy()
+    else:
+        fps = []
+        h = hashlib.blake2b(tools_fp, digest_size=16)
+    for m in messages[n0:]:
+        fps.append(h.digest())
+        h.update(message_fingerprint(m))
+
+    version = turns.version
     matches: dict[int, RecordedTurn] = {}
     drift: list[DriftRecord] = []
     foreign = 0
-    for i, m in enumerate(messages):
-        fps.append(h.digest())
-        if m.role == "assistant":
-            turn, identity = turns.find(i, m, fps[i])
-            if turn is None:
-                foreign += 1
-            else:
-                recs = compare_turn(
+    loose: set[str] = set()
+    tool_ids: set[str] = set()
+    start = 0
+    if use is not None and _still_matches(use, turns, messages):
+        start = n0
+        matches = dict(use.matches)
+        drift = list(use.drift)
+        foreign = use.foreign
+        loose = set(use.loose)
+        tool_ids = set(use.tool_ids)
+    for i in range(start, n_msgs):
+        m = messages[i]
+        if m.role != "assistant":
+            continue
+        tool_ids.update(c.id for c in m.tool_calls if c.id)
+        turn, identity, how = turns.find_how(i, m, fps[i])
+        if how not in ("id", "exact"):
+            loose.add(turn_key(m.content, [(c.name, c.arguments) for c in m.tool_calls]))
+        if turn is None:
+            foreign += 1
+            continue
+        recs = compare_turn(
+            i,
+            call_id=turn.call_id,
+            rec_content=turn.content,
+            rec_calls=turn.tool_calls,
+            cli_content=m.content,
+            cli_calls=m.tool_calls,
+        )
+        if not identity and not any(r.kind == "edited" for r in recs):
+            recs.append(
+                DriftRecord(
+                    "edited",
                     i,
-                    call_id=turn.call_id,
-                    rec_content=turn.content,
-                    rec_calls=turn.tool_calls,
-                    cli_content=m.content,
-                    cli_calls=m.tool_calls,
+                    turn.call_id,
+                    m.content or "",
+                    turn.content or "",
+                    "client_text_as_prompt",
                 )
-                if not identity and not any(r.kind == "edited" for r in recs):
-                    recs.append(
-                        DriftRecord(
-                            "edited",
-                            i,
-                            turn.call_id,
-                            m.content or "",
-                            turn.content or "",
-                            "client_text_as_prompt",
-                        )
+            )
+        edited = any(r.kind == "edited" for r in recs)
+        if not edited:
+            if turn.position != i or turn.prefix_fp != fps[i]:
+                recs.append(
+                    DriftRecord(
+                        "history_rewritten",
+                        i,
+                        turn.call_id,
+                        f"message index {i}",
+                        f"message index {turn.position}",
+                        FORK,
+                        "the messages before this turn changed since it was produced",
                     )
-                edited = any(r.kind == "edited" for r in recs)
-                if not edited:
-                    if turn.position != i or turn.prefix_fp != fps[i]:
-                        recs.append(
-                            DriftRecord(
-                                "history_rewritten",
-                                i,
-                                turn.call_id,
-                                f"message index {i}",
-                                f"message index {turn.position}",
-                                FORK,
-                                "the messages before this turn changed since it was produced",
-                            )
-                        )
-                    matches[i] = turn
-                drift.extend(recs)
-                if turn.tool_calls:
-                    results: list[tuple[int, str | None]] = []
-                    j = i + 1
-                    while j < len(messages) and messages[j].role == "tool":
-                        results.append((j, messages[j].tool_call_id))
-                        j += 1
-                    if results:
-                        drift.extend(check_tool_results(turn.call_id, turn.tool_calls, results))
-        h = _fp_step(h, m)
+                )
+            matches[i] = turn
+        drift.extend(recs)
+        if turn.tool_calls:
+            results: list[tuple[int, str | None]] = []
+            j = i + 1
+            while j < n_msgs and messages[j].role == "tool":
+                results.append((j, messages[j].tool_call_id))
+                j += 1
+            if results:
+                drift.extend(check_tool_results(turn.call_id, turn.tool_calls, results))
+
     # Matched turns are replaced by recorded tokens: render a placeholder in their place, so
     # that whatever the client did to their text cannot disturb the block structure.
-    to_render = [Message("assistant", "-") if i in matches else m for i, m in enumerate(messages)]
-    blocks = renderer.blocks(to_render, tools)
-    return _splice(blocks, matches, renderer, drift=drift, foreign=foreign, final_fp=h.digest())
+    to_render = [_PLACEHOLDER if i in matches else m for i, m in enumerate(messages)]
+    blocks: list[Block] | None = None
+    keep = 0
+    if use is not None and (
+        start == n0 or frozenset(k for k in matches if k < n0) == use.matches.keys()
+    ):
+        blocks = renderer.extend_blocks(use.blocks, to_render, tools)
+        keep = len(use.blocks) - 2
+    if blocks is None:
+        blocks = renderer.blocks(to_render, tools)
+        keep = 0
+    plan, offsets, n_spliced = _splice(
+        blocks,
+        matches,
+        renderer,
+        drift=drift,
+        foreign=foreign,
+        final_fp=h.digest(),
+        resume=use if keep else None,
+        keep=keep,
+    )
+    checked = len(base.messages) if base is not None else 0
+    if text is not None and _args_are_text(messages[checked:]):
+        turns.remember(
+            Seen(
+                text,
+                tools_fp,
+                tuple(messages),
+                tuple(fps),
+                h,
+                version,
+                matches,
+                frozenset(loose),
+                frozenset(tool_ids),
+                plan.drift,
+                foreign,
+                tuple(blocks),
+                offsets,
+                n_spliced,
+                plan.prompt_ids,
+                plan.spliced,
+            )
+        )
+    return plan
 
 
 def _splice(
@@ -241,12 +410,27 @@ def _splice(
     drift: list[DriftRecord],
     foreign: int,
     final_fp: bytes,
-) -> PromptPlan:
+    resume: Seen | None = None,
+    keep: int = 0,
+) -> tuple[PromptPlan, tuple[int, ...], tuple[int, ...]]:
+    """The prompt of `blocks`; with `resume`, whose first `keep` blocks are those of
+    `blocks` (with the same matches), their ids are taken from its prompt. Also returns
+    each block's start offset and the spliced turns before it."""
     pieces: list[npt.NDArray[np.int32]] = []
     spliced: list[Spliced] = []
+    offsets: list[int] = []
+    n_spliced: list[int] = []
     n = 0
+    if resume is not None and keep:
+        n = resume.offsets[keep]
+        pieces.append(resume.prompt_ids[:n])
+        spliced.extend(resume.spliced[: resume.n_spliced[keep]])
+        offsets.extend(resume.offsets[:keep])
+        n_spliced.extend(resume.n_spliced[:keep])
     end_id = renderer.block_end_ids[0]
-    for b in blocks:
+    for b in blocks[len(offsets) :]:
+        offsets.append(n)
+        n_spliced.append(len(spliced))
         turn = matches.get(b.first) if b.role == "assistant" and not b.generation else None
         if turn is None:
             ids = renderer.encode_array(b.text)
@@ -275,4 +459,5 @@ def _splice(
             d.kind == "history_rewritten" and d.call_id == t.call_id for d in drift
         ):
             continues = t.call_id
-    return PromptPlan(prompt, tuple(spliced), tuple(drift), continues, base, foreign, final_fp)
+    plan = PromptPlan(prompt, tuple(spliced), tuple(drift), continues, base, foreign, final_fp)
+    return plan, tuple(offsets), tuple(n_spliced)
