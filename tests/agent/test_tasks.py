@@ -73,6 +73,10 @@ def test_grade_gives_partial_credit_from_the_files(runtime: LocalDirRuntime) -> 
     assert grade(task, runtime).reward == 0.75
     runtime.write_file("missing.txt", "")
     assert grade(task, runtime).success
+    # an agent that never called finish keeps its files' credit but does not succeed
+    g = grade(task, runtime, finished=False)
+    assert g.reward == 0.8 and not g.success and g.details["called finish"] is False
+    assert grade(task, runtime, finished=True).success
 
 
 def test_many_files_task_credits_each_file(runtime: LocalDirRuntime) -> None:

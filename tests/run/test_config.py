@@ -35,6 +35,9 @@ def test_default_round_trips_through_toml(tmp_path: Path) -> None:
         ("[rl]\nsteps = 0\n[warmstart]\nsteps = 0\n", "nothing to do"),
         ("[model]\ndevice = 'tpu'\n", r"model\.device"),
         ("[rollout\n", "not valid TOML"),
+        ("[schedule]\npolicy = 'async'\ndevices = 2\ntrain_devices = 2\n",
+         r"schedule\.train_devices \(2\) must leave a rollout device"),
+        ("[schedule]\npolicy = 'fifo'\n", r"schedule\.policy"),
     ],
 )
 def test_bad_config_is_refused_with_the_field(tmp_path: Path, text: str, message: str) -> None:

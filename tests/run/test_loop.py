@@ -27,11 +27,12 @@ from tidal.tree import process_store
 
 SMALL = {
     "tasks": {"name": "tools", "train_size": 3, "heldout_size": 1, "time_limit_s": 120},
-    "rollout": {"workers": 3, "group_size": 2, "tasks_per_step": 3, "max_turns": 4,
+    "rollout": {"group_size": 2, "tasks_per_step": 3, "max_turns": 4,
                 "max_tokens": 64, "context_budget": 64, "temperature": 0.2,
                 "tools": ["bash", "read_file", "write_file", "spawn_subagent", "finish"]},
     "warmstart": {"steps": 30, "batch_size": 4, "lr": 0.003},
     "rl": {"steps": 2, "max_tokens_per_stream": 2048},
+    "schedule": {"policy": "colocated", "devices": 2, "groups_per_device": 1},
     "eval": {"every": 5},
 }
 
@@ -49,10 +50,21 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
     summary = run(parse_config(_config()), out)
     assert summary["steps"] == 2 and summary["policy_version"] == 3  # warm start + 2 steps
     assert summary["drift_tokens"] == 0 and summary["verify_ok"]
+    curve = summary["heldout_curve"]  # start (step 0) and end (step 2) evaluations
+    assert [step for step, _ in curve] == [0, 2]
+    assert (curve[0][1], curve[-1][1]) == (summary["success_rate_start"],
+                                          summary["success_rate_end"])
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     assert all("k3_kl" in r and "tree_token_ratio" in r for r in rl)
+    # colocated: each step, both devices switch to training, and back while work is
+    # left (not after the last step); nothing is stale
+    sched = summary["schedule"]
+    assert sched["schedule_policy"] == "colocated"
+    assert sched["role_switches"] == {"to_train": 4, "to_rollout": 2}, sched
+    assert 0.0 < sched["device_utilization"] <= 1.0
+    assert all(r["staleness"] == [0, 0, 0] for r in rl)
     assert {r["phase"] for r in rows} == {"warmstart", "eval", "rl"}
     assert (out / "tb").is_dir() and (out / "summary.json").exists()
     assert list((out / "trees").glob("*.html")), "no sample tree pages for the report"
@@ -75,6 +87,28 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
     assert edges.get("subagent", 0) > 0, edges
     assert edges.get("compaction", 0) > 0, edges
     assert result.trees, "nothing to train"
+
+
+def test_elastic_schedule_overlaps_within_the_staleness_bound(tmp_path: Path) -> None:
+    """Elastic on 2 devices: a device moves to training while the other keeps rolling
+    out; every trained group is at most rl.max_staleness versions old."""
+    cfg = _config(schedule={"policy": "elastic", "devices": 2},
+                  rl={"steps": 3, "max_staleness": 1}, warmstart={"steps": 3},
+                  tasks={"name": "digits", "train_size": 8, "heldout_size": 2},
+                  rollout={"context_budget": 4096, "tasks_per_step": 2})
+    out = tmp_path / "run"
+    summary = run(parse_config(cfg), out)
+    assert summary["steps"] == 3 and summary["policy_version"] == 4
+    sched = summary["schedule"]
+    assert sched["schedule_policy"] == "elastic"
+    assert sched["role_switches"]["to_train"] >= 1, sched
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    trained = [s for r in rl for s in r["staleness"]]
+    assert trained and max(trained) <= 1, trained
+    assert sum(int(k) * v for k, v in sched["staleness_trained"].items()) == sum(trained)
+    with LedgerStore(out / "ledger.db", readonly=True) as store:
+        assert store.check() == []
 
 
 def test_bad_run_dir(tmp_path: Path) -> None:

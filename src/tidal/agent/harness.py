@@ -406,10 +406,11 @@ def run_episode(
     session_id: str | None = None,
     client_factory: ClientFactory | None = None,
 ) -> tuple[AgentResult, Grade]:
-    """Prepare a fresh runtime for `task`, run the agent, grade the files it left."""
+    """Prepare a fresh runtime for `task`, run the agent, grade the files it left and
+    whether it ended the session by calling finish."""
     prepare(task, runtime)
     result = run_agent(
         gateway_url, model, task.prompt, runtime, config,
         task_id=task.task_id, session_id=session_id, client_factory=client_factory,
     )  # fmt: skip
-    return result, grade(task, runtime)
+    return result, grade(task, runtime, finished=result.status == "complete")

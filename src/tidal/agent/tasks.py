@@ -28,9 +28,11 @@ Built-in sets (`load_taskset(name)`):
 - `mixed`: `files` with the `tools` tasks added to training (held-out is `files`).
 
 Deliberately simplified:
-- Checks are file checks only (exists / equals after stripping surrounding whitespace /
-  contains); the `finish` answer is not graded, so that partial progress is always
-  visible in the files.
+- Checks are file checks (exists / equals after stripping surrounding whitespace /
+  contains), plus, for episodes run by the harness, whether the agent called `finish`
+  (a session that runs out of turns or time keeps the credit of its files). The `finish`
+  answer's content is not graded, so that partial progress is always visible in the
+  files.
 - Demonstrations of tools tasks are single conversations without compaction; the
   subagent's own conversation is returned as a separate demonstration.
 """
@@ -176,9 +178,16 @@ def check_passes(check: Check, runtime: ToolRuntime) -> bool:
     return True
 
 
-def grade(task: Task, runtime: ToolRuntime) -> Grade:
-    """Grade a finished (or timed-out) episode by the files in its runtime."""
+FINISHED = "called finish"
+
+
+def grade(task: Task, runtime: ToolRuntime, *, finished: bool | None = None) -> Grade:
+    """Grade an episode by the files in its runtime; with `finished` (did the agent end
+    the session by calling finish?), that is one more check. Without it, a policy loses
+    nothing by never finishing, and RL learns to let sessions run out of turns."""
     details = {c.describe(): check_passes(c, runtime) for c in task.checks}
+    if finished is not None:
+        details[FINISHED] = finished
     score = sum(details.values()) / len(details)
     return Grade(reward=score, partial_score=score, details=details)
 

@@ -28,6 +28,7 @@ class RunState:
     success_rate_start: float | None = None
     elapsed_s: float = 0.0  # wall-clock of earlier attempts (before a resume)
     trained_sessions: tuple[str, ...] = ()
+    dropped_sessions: tuple[str, ...] = ()  # scheduled but dropped (stale) or failed
     sessions: int = 0  # RL sessions rolled out
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -67,4 +68,5 @@ def find_checkpoint(run_dir: Path) -> Path | None:
 def load_state(ckpt: Path) -> RunState:
     d = json.loads((ckpt / "state.json").read_text())
     d["trained_sessions"] = tuple(d.get("trained_sessions", ()))
+    d["dropped_sessions"] = tuple(d.get("dropped_sessions", ()))
     return RunState(**d)

@@ -37,7 +37,6 @@ class TasksConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    workers: int = Field(2, ge=1, description="concurrent rollout sessions")
     group_size: int = Field(4, ge=1, description="sessions per task (a GRPO group)")
     tasks_per_step: int = Field(4, ge=1, description="task groups per training step")
     max_turns: int = Field(4, ge=1, description="model calls per session")
@@ -55,6 +54,17 @@ class RolloutConfig(_Section):
     )
 
 
+class ScheduleConfig(_Section):
+    policy: Literal["colocated", "elastic", "async"] = Field(
+        "elastic", description="how devices share rollout and training (docs/scheduler.md)"
+    )
+    devices: int = Field(2, ge=1, description="devices (CPU slots here): each rolls out or trains")
+    groups_per_device: int = Field(
+        1, ge=1, description="task groups one rollout device runs at once"
+    )
+    train_devices: int = Field(1, ge=1, description="async only: devices fixed to training")
+
+
 class WarmstartConfig(_Section):
     steps: int = Field(100, ge=0, description="supervised steps on generated demonstrations")
     batch_size: int = Field(16, ge=1, description="demonstrations per step")
@@ -62,7 +72,7 @@ class WarmstartConfig(_Section):
 
 
 class RLConfig(_Section):
-    steps: int = Field(20, ge=0, description="RL training steps")
+    steps: int = Field(40, ge=0, description="RL training steps")
     lr: float = Field(1e-4, gt=0, description="learning rate")
     max_paths: int = Field(5, ge=1, description="J: paths trained per episode")
     normalization: Literal["two_level", "token", "path"] = Field(
@@ -80,7 +90,8 @@ class RLConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(5, ge=1, description="evaluate on held-out tasks every N RL steps")
+    every: int = Field(20, ge=1, description="evaluate on held-out tasks every N RL steps")
+    samples: int = Field(4, ge=1, description="sessions per held-out task (success: their mean)")
     temperature: float = Field(1.0, ge=0, description="sampling temperature for evaluation")
 
 
@@ -89,6 +100,7 @@ class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig = TasksConfig()
     rollout: RolloutConfig = RolloutConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
     warmstart: WarmstartConfig = WarmstartConfig()
     rl: RLConfig = RLConfig()
     eval: EvalConfig = EvalConfig()
@@ -114,6 +126,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"rollout.tools must name tools from {', '.join(ALL_TOOLS)} and include "
                 f"finish; got {list(self.rollout.tools)}"
+            )
+        if self.schedule.policy == "async" and self.schedule.train_devices >= self.schedule.devices:
+            raise ValueError(
+                f"schedule.train_devices ({self.schedule.train_devices}) must leave a rollout "
+                f"device: it must be below schedule.devices ({self.schedule.devices})"
             )
         if self.rl.steps == 0 and self.warmstart.steps == 0:
             raise ValueError("nothing to do: warmstart.steps and rl.steps are both 0")

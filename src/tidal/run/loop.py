@@ -11,7 +11,10 @@
 
 The trainer's model and the engine's model are two copies of the same weights in one
 process; after each update the engine receives the new state dict and version. Rollouts
-and training alternate (colocated): on one small machine that keeps every core busy.
+go through the elastic scheduler (`tidal.schedule`, local backend): task groups are its
+work items, a full batch of groups is one step, and the policy (`schedule.policy`)
+decides whether rollouts and training alternate (colocated, the default) or overlap
+(elastic, async) within the staleness bound `rl.max_staleness`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import os
 import random
 import resource
 import time
-from dataclasses import asdict, replace
+from collections import deque
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +42,10 @@ from tidal.ledger import LedgerStore, Outcome, Status
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
 from tidal.run.progress import RunLog
-from tidal.run.rollout import Episode, new_session_id, run_episodes, runtime_factory
+from tidal.run.rollout import Episode, Rollouts, make_scheduler, new_session_id, runtime_factory
 from tidal.run.warmstart import render_all, warm_start
+from tidal.schedule.backend import Work
+from tidal.schedule.scheduler import Sample
 from tidal.train.loss import LossConfig
 from tidal.train.trainer import TreeTrainer
 from tidal.tree import process_store
@@ -107,8 +114,11 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         context_budget_tokens=cfg.rollout.context_budget, max_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature, tools=cfg.rollout.tools,
     )
-    eval_cfg = AgentConfig(**{**asdict(agent_cfg), "temperature": cfg.eval.temperature})
-    new_runtime = runtime_factory(cfg.rollout.sandbox)
+    rollouts = Rollouts(url, model_name, agent_cfg, runtime_factory(cfg.rollout.sandbox), store)
+    evals = replace(rollouts, agent_cfg=replace(agent_cfg, temperature=cfg.eval.temperature))
+    # evaluation runs as many sessions at once as the rollout devices can
+    eval_workers = (cfg.schedule.devices * cfg.schedule.groups_per_device
+                    * cfg.rollout.group_size)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
     if ckpt is not None and (ckpt / "optimizer.pt").exists() and state.warmstart_done:
         optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
@@ -125,10 +135,9 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
 
     def evaluate(tag: str) -> float:
         t0 = time.perf_counter()
-        jobs = [(t, new_session_id(f"eval{tag}", state.step, t.task_id, 0)) for t in heldout]
-        eps = run_episodes(jobs, gateway_url=url, model=model_name, agent_cfg=eval_cfg,
-                           new_runtime=new_runtime, store=store, workers=cfg.rollout.workers,
-                           on_done=lambda _e: log.advance("eval"))
+        jobs = [(t, new_session_id(f"eval{tag}", state.step, t.task_id, k))
+                for t in heldout for k in range(cfg.eval.samples)]
+        eps = evals.many(jobs, workers=eval_workers, on_done=lambda _e: log.advance("eval"))
         rate = sum(e.reward >= 1.0 for e in eps) / max(len(eps), 1)
         log.metrics({"phase": "eval", "step": state.step, "success_rate": rate,
                      "partial_mean": sum(e.partial_score for e in eps) / max(len(eps), 1),
@@ -157,57 +166,94 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                 sync_engine(1)
                 state = checkpoint(state)
             if state.success_rate_start is None:
-                log.phase("eval", len(heldout))
+                log.phase("eval", len(heldout) * cfg.eval.samples)
                 state = state.advance(success_rate_start=evaluate("start"))
                 state = checkpoint(state)
 
             # -- 2. resume bookkeeping: finish what a killed attempt left ---------------
             carry = _recover(store, state)
 
-            # -- 3. RL steps ------------------------------------------------------------
+            # -- 3. RL: the scheduler rolls out task groups; each full batch is a step ---
+            b, g = cfg.rollout.tasks_per_step, cfg.rollout.group_size
             rng = random.Random(cfg.seed * 1000 + state.step)
+            plan: deque[Task] = deque()
+            group_sids: dict[int, list[str]] = {}  # scheduled group -> its main sessions
+            sched = make_scheduler(
+                cfg.schedule.policy, devices=cfg.schedule.devices,
+                groups_per_device=cfg.schedule.groups_per_device,
+                train_devices=cfg.schedule.train_devices, batch_groups=b,
+                max_staleness=cfg.rl.max_staleness,
+            )
+            roll = partial(rollouts.group, base_version=state.policy_version)
+
+            first_step = state.step
+
+            def submit(n: int) -> None:
+                """Queue n task groups: whole random task batches, as many as needed. A
+                session id names the step its group was planned for."""
+                works = []
+                for i in range(len(group_sids), len(group_sids) + n):
+                    if not plan:
+                        plan.extend(rng.sample(train_tasks, min(b, len(train_tasks))))
+                    task = plan.popleft()
+                    step = first_step + i // b + 1
+                    works.append([(task, new_session_id("rl", step, task.task_id, k))
+                                  for k in range(g)])
+                ids = sched.submit_many(Work(roll, (jobs,)) for jobs in works)
+                group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(
+                    ids, works, strict=True))
+
             sessions: list[str] = []  # the last step's sessions: sample trees for the report
+            groups: list[Sample] = []
+            lost = 0  # groups dropped as stale or failed: replaced by new ones
             log.phase("rl", cfg.rl.steps, done=state.step)
-            while state.step < cfg.rl.steps:
+            with sched:
+                submit((cfg.rl.steps - state.step) * b)
                 t0, cpu0 = time.perf_counter(), _cpu_seconds()
-                picked: list[Task] = rng.sample(train_tasks,
-                                                min(cfg.rollout.tasks_per_step, len(train_tasks)))
-                jobs = [(t, new_session_id("rl", state.step, t.task_id, k))
-                        for t in picked for k in range(cfg.rollout.group_size)]
-                eps = run_episodes(jobs, gateway_url=url, model=model_name, agent_cfg=agent_cfg,
-                                   new_runtime=new_runtime, store=store,
-                                   workers=cfg.rollout.workers)
-                t_roll = time.perf_counter() - t0
-                sessions = [s for e in eps for s in e.session_ids] + carry
-                result = process_store(
-                    store, sessions, max_paths=cfg.rl.max_paths,
-                    incomplete=cfg.rl.timeout_reward, normalisation=cfg.rl.normalization,
-                    strict=False,
-                )
-                t1 = time.perf_counter()
-                version = state.policy_version
-                fresh = [t for t in result.trees if _staleness(t, version) <= cfg.rl.max_staleness]
-                metrics = trainer.step(fresh).as_dict() if fresh else {}
-                t_train = time.perf_counter() - t1
-                state = state.advance(
-                    step=state.step + 1, policy_version=version + 1,
-                    trained_sessions=(*state.trained_sessions, *sessions),
-                    sessions=state.sessions + len(sessions),
-                )
-                sync_engine(state.policy_version)
-                state = checkpoint(state)
-                carry = []
-                wall = time.perf_counter() - t0
-                log.metrics(_step_row(
-                    state, eps=eps, m=metrics, t_roll=t_roll, t_train=t_train, wall=wall,
-                    cpu=_cpu_seconds() - cpu0, stale=len(result.trees) - len(fresh),
-                ))
-                log.advance("rl")
-                if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
-                    evaluate(f"s{state.step}")
+                for mb in sched.iter_batches(steps=cfg.rl.steps - state.step):
+                    groups.extend(mb.samples)
+                    if not mb.done():
+                        continue  # the batch fills as groups finish (streaming)
+                    t_wait = time.perf_counter() - t0
+                    eps = [e for grp in groups for e in grp.value]
+                    sessions = [s for e in eps for s in e.session_ids] + carry
+                    t1 = time.perf_counter()
+                    result = process_store(
+                        store, sessions, max_paths=cfg.rl.max_paths,
+                        incomplete=cfg.rl.timeout_reward, normalisation=cfg.rl.normalization,
+                        strict=False,
+                    )
+                    metrics = trainer.step(result.trees).as_dict() if result.trees else {}
+                    t_train = time.perf_counter() - t1
+                    gone = sched.dropped() + [f.session for f in sched.failed()]
+                    state = state.advance(
+                        step=state.step + 1, policy_version=state.policy_version + 1,
+                        trained_sessions=(*state.trained_sessions, *sessions),
+                        dropped_sessions=tuple(dict.fromkeys((
+                            *state.dropped_sessions, *(s for i in gone for s in group_sids[i])
+                        ))),
+                        sessions=state.sessions + len(sessions),
+                    )
+                    sync_engine(state.policy_version)
+                    state = checkpoint(state)
+                    log.metrics(_step_row(
+                        state, eps=eps, m=metrics, t_wait=t_wait, t_train=t_train,
+                        wall=time.perf_counter() - t0, cpu=_cpu_seconds() - cpu0,
+                        groups=groups, sched=sched.metrics(),
+                    ))
+                    log.advance("rl")
+                    if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
+                        evaluate(f"s{state.step}")
+                    sched.step_done()
+                    if len(gone) > lost:  # keep every remaining step's batch full
+                        submit(len(gone) - lost)
+                        lost = len(gone)
+                    groups, carry = [], []
+                    t0, cpu0 = time.perf_counter(), _cpu_seconds()
+                schedule_summary = _schedule_summary(sched.metrics())
 
             # -- 4. final evaluation and summary -----------------------------------------
-            log.phase("eval", len(heldout))
+            log.phase("eval", len(heldout) * cfg.eval.samples)
             end = evaluate("end")
             _sample_trees(store, sessions, run_dir / "trees", tokenizer.decode)
     finally:
@@ -224,10 +270,18 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         "drift_tokens": report.model_tokens - report.model_tokens_verbatim,
         "verify_ok": report.ok,
         "policy_version": state.policy_version,
+        "heldout_curve": _heldout_curve(run_dir / "metrics.jsonl"),
+        "schedule": schedule_summary,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log.close()
     return summary
+
+
+def _heldout_curve(metrics: Path) -> list[tuple[int, float]]:
+    """(RL step, held-out success) of every evaluation, in order, resumes included."""
+    rows = (json.loads(line) for line in metrics.read_text().splitlines() if line)
+    return [(r["step"], r["success_rate"]) for r in rows if r.get("phase") == "eval"]
 
 
 def _offer(demo: Demonstration, tools: tuple[str, ...]) -> Demonstration:
@@ -254,17 +308,11 @@ def _sample_trees(
         (out / f"{g.episode_id}.html").write_text(page, encoding="utf-8")
 
 
-def _staleness(tree: Any, version: int) -> int:
-    """How many versions behind the current policy the tree's oldest model token is."""
-    lo = min((int(s.policy_versions[s.model_mask].min()) for s in tree.segments
-              if s.model_mask.any()), default=version)
-    return version - lo
-
-
 def _recover(store: LedgerStore, state: RunState) -> list[str]:
     """After a kill: close sessions left without an outcome (infra_error: masked, not
-    punished) and return committed RL sessions that were never trained."""
-    trained = set(state.trained_sessions)
+    punished) and return committed RL sessions that were never trained (nor dropped as
+    stale)."""
+    trained = set(state.trained_sessions) | set(state.dropped_sessions)
     outcomes = store.outcomes()
     carry = []
     for s in store.sessions():
@@ -279,9 +327,13 @@ def _recover(store: LedgerStore, state: RunState) -> list[str]:
 
 
 def _step_row(
-    state: RunState, *, eps: list[Episode], m: dict[str, float], t_roll: float,
-    t_train: float, wall: float, cpu: float, stale: int,
+    state: RunState, *, eps: list[Episode], m: dict[str, float], t_wait: float,
+    t_train: float, wall: float, cpu: float, groups: list[Sample], sched: dict[str, Any],
 ) -> dict[str, Any]:
+    """One RL step's metrics row. `rollout_s` is how long the trainer waited for its
+    batch (rollouts of other batches may overlap training under elastic/async); the
+    scheduler's figures (utilisation, role switches, idle time, staleness) are cumulative
+    over the run so far."""
     n = max(len(eps), 1)
     return {
         "phase": "rl", "step": state.step, "policy_version": state.policy_version,
@@ -290,9 +342,22 @@ def _step_row(
         "partial_mean": sum(e.partial_score for e in eps) / n,
         "timeouts": sum(e.status == "timeout" for e in eps),
         "statuses": {s: sum(e.status == s for e in eps) for s in {e.status for e in eps}},
-        "stale_trees_dropped": stale,
-        "rollout_s": t_roll, "train_s": t_train,
+        "staleness": [grp.staleness for grp in groups],
+        "rollout_s": t_wait, "train_s": t_train,
         "train_tokens_per_s": m.get("tokens", 0.0) / t_train if t_train else 0.0,
-        "device_utilization": cpu / (wall * (os.cpu_count() or 1)),
+        "cpu_utilization": cpu / (wall * (os.cpu_count() or 1)),
+        **_schedule_summary(sched),
         **m,
+    }
+
+
+def _schedule_summary(m: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler's metrics that a run reports (docs/scheduler.md has them all)."""
+    return {
+        "schedule_policy": m["policy"],
+        "device_utilization": m["utilization"],
+        "role_switches": m["role_switches"],
+        "idle_s_per_device": m["idle_s_per_device"],
+        "stale_groups_dropped": m["staleness"]["dropped_total"],
+        "staleness_trained": m["staleness"]["trained"],
     }

@@ -88,7 +88,10 @@ def _series(rows: list[dict[str, Any]], phase: str, key: str) -> list[tuple[floa
 def time_split_bar(rows: list[dict[str, Any]]) -> str:
     parts = {
         "warm start": sum(r.get("seconds", 0.0) for r in rows if r.get("phase") == "warmstart"),
-        "rollout": sum(r.get("rollout_s", 0.0) for r in rows if r.get("phase") == "rl"),
+        # elastic/async: rollouts overlap training; "rollout" is the trainer's wait
+        "rollout (not overlapped)": sum(
+            r.get("rollout_s", 0.0) for r in rows if r.get("phase") == "rl"
+        ),
         "train": sum(r.get("train_s", 0.0) for r in rows if r.get("phase") == "rl"),
         "evaluation": sum(r.get("seconds", 0.0) for r in rows if r.get("phase") == "eval"),
     }
