@@ -435,17 +435,8 @@ class Gateway:
                     else None,
                 }
             ],
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": n_out,
-                "total_tokens": n_prompt + n_out,
-            },
-            "tidal": {
-                "session_id": session_id,
-                "call_id": call_id,
-                "policy_version": int(gen.policy_version),
-                "drift": len(plan.drift),
-            },
+            "usage": _usage(n_prompt, n_out),
+            "tidal": {**_tidal_block(session_id, call_id, gen), "drift": len(plan.drift)},
         }
         return Answer(
             body_out,
@@ -533,16 +524,8 @@ class Gateway:
             "choices": [
                 {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
             ],
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "completion_tokens": n_out,
-                "total_tokens": n_prompt + n_out,
-            },
-            "tidal": {
-                "session_id": session_id,
-                "call_id": call_id,
-                "policy_version": int(gen.policy_version),
-            },
+            "usage": _usage(n_prompt, n_out),
+            "tidal": _tidal_block(session_id, call_id, gen),
         }
         return Answer(
             body_out,
@@ -562,6 +545,23 @@ class Gateway:
                 for n in self.model_names
             ],
         }
+
+
+def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_out,
+        "total_tokens": n_prompt + n_out,
+    }
+
+
+def _tidal_block(session_id: str, call_id: str, gen: Generation) -> dict[str, Any]:
+    """What tidal adds to every response body: where the call was recorded."""
+    return {
+        "session_id": session_id,
+        "call_id": call_id,
+        "policy_version": int(gen.policy_version),
+    }
 
 
 def _lp_entries(texts: tuple[str, ...], logprobs: np.ndarray) -> list[dict[str, Any]]:

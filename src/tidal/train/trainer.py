@@ -121,6 +121,15 @@ def stream_logprobs(model: torch.nn.Module, plan: StreamPlan) -> torch.Tensor:
     return logits_N_V.gather(1, tgt[:, None])[:, 0] - logits_N_V.logsumexp(-1)
 
 
+def _plan(
+    st: PackedStream, dev: torch.device, attention: str, max_mask_bytes: int,
+    ctx: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> StreamPlan:
+    """The attention plan of one stream; partitioned trees capture their keys/values."""
+    return StreamPlan(st, dev, backend=attention, max_mask_bytes=max_mask_bytes, ctx_kv=ctx,
+                      capture=st.partition is not None)
+
+
 def recompute_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
@@ -142,14 +151,7 @@ def recompute_logprobs(
     with torch.no_grad():
         for st in batch.streams:
             ctx = cache.context(st, n_layers, False) if st.n_context else None
-            plan = StreamPlan(
-                st,
-                dev,
-                backend=attention,
-                max_mask_bytes=max_mask_bytes,
-                ctx_kv=ctx,
-                capture=st.partition is not None,
-            )
+            plan = _plan(st, dev, attention, max_mask_bytes, ctx)
             lp = stream_logprobs(model, plan)
             out[st.target_offset : st.target_offset + st.n_targets] = lp
             if st.partition is not None:
@@ -263,14 +265,7 @@ def tree_loss_backward(
     for si in range(len(batch.streams) - 1, -1, -1):
         st = batch.streams[si]
         ctx = kv_cache.context(st, n_layers, True) if st.n_context else None
-        plan = StreamPlan(
-            st,
-            dev,
-            backend=attention,
-            max_mask_bytes=max_mask_bytes,
-            ctx_kv=ctx,
-            capture=st.partition is not None,
-        )
+        plan = _plan(st, dev, attention, max_mask_bytes, ctx)
         new_N = stream_logprobs(model, plan)
         loss, clip_P = stream_loss(new_N, st, terms, int(offsets[si]), cfg)
         tensors: list[torch.Tensor] = [loss]
