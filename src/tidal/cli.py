@@ -1,5 +1,5 @@
 """The `tidal` command: wiring only. Each package keeps its commands in its own cli.py;
-this file names them. Heavy imports (torch, transformers, fastapi, ray) happen inside
+this file names them. Heavy imports (torch, transformers, uvicorn, ray) happen inside
 the commands, so `tidal --help` stays fast.
 """
 

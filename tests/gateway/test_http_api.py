@@ -120,6 +120,21 @@ def test_models_and_unknown_route(server: GatewayServer, client_for: Any) -> Non
     assert_openai_error(r, 404, "not_found")
 
 
+def test_health_and_methods(server: GatewayServer) -> None:
+    r = httpx.get(server.base_url + "/health")
+    assert r.status_code == 200 and r.json() == {
+        "ok": True, "model": "scripted", "policy_version": 0
+    }
+    assert httpx.head(server.base_url + "/v1/models").status_code == 405
+    assert_openai_error(httpx.put(server.base_url + "/v1/models"), 405, "http_error")
+    assert_openai_error(httpx.post(server.base_url + "/health"), 405, "http_error")
+    r = httpx.get(server.base_url + "/sessions/s1/v1/chat/completions")
+    assert_openai_error(r, 405, "method_not_allowed")
+    assert_openai_error(httpx.get(server.base_url + "/healthz"), 404, "not_found")
+    r = post(server, "/sessions/s1/v1/embeddings", {"model": "scripted"})
+    assert_openai_error(r, 404, "not_found")
+
+
 def test_logprobs_and_record(client_for: Any, engine: ScriptedEngine, store: LedgerStore) -> None:
     engine.push("Hi there")
     r = client_for("s1").chat.completions.create(model="scripted", messages=[USER], logprobs=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidal.ledger import LedgerError, LedgerStore, Status, make_outcome
+from tidal.ledger import Call, LedgerError, LedgerStore, Status, make_outcome
 from tidal.ledger.store import common_prefix_len
 
 from .helpers import growing_session, mk_call
@@ -168,3 +168,90 @@ def test_common_prefix_len() -> None:
     assert common_prefix_len(a, a[:2]) == 2
     assert common_prefix_len(a, np.array([1, 9], np.int32)) == 1
     assert common_prefix_len(a, np.zeros(0, np.int32)) == 0
+
+
+def _reconstructs(store: LedgerStore, calls: list[Call]) -> bool:
+    logs = {sid: store.call_log(sid) for sid in {c.session_id for c in calls}}
+    return all(
+        np.array_equal(logs[c.session_id].prompt_ids(c.call_id), c.prompt_ids) for c in calls
+    )
+
+
+def test_two_stores_on_one_file_interleave(tmp_path: Path) -> None:
+    """Each store caches session rows and contexts; appends by the other must not break
+    the chain, the deltas, the duplicate check or the session checks."""
+    path = tmp_path / "l.db"
+    shared = growing_session("shared", 8)
+    own = {"a": growing_session("a", 4, seed=1), "b": growing_session("b", 4, seed=2)}
+    with LedgerStore(path) as a, LedgerStore(path) as b:
+        for i, c in enumerate(shared):
+            store, name = (a, "a") if i % 2 == 0 else (b, "b")
+            store.append_call(c, base_hint=f"c{i - 1}" if i else None)
+            store.append_call(own[name][i // 2])
+        a.append_call(mk_call("t", "c0", task_id="t1"))
+        with pytest.raises(LedgerError, match="task_id"):  # b reads the row a wrote
+            b.append_call(mk_call("t", "c1", task_id="t2"))
+        b.append_call(mk_call("t", "c1", task_id="t1"))
+        with pytest.raises(LedgerError, match="already in the ledger"):
+            a.append_call(mk_call("t", "c1", task_id="t1"))
+        a.append_call(mk_call("t", "c2", task_id="t1"))
+        for store in (a, b):
+            assert store.check() == []
+            assert _reconstructs(store, [*shared, *own["a"], *own["b"]])
+        assert b.count_calls() == 19
+
+
+def test_branches_and_trims_reconstruct(tmp_path: Path) -> None:
+    """Contexts share buffers: a regenerated prompt, a branch from an older call and a
+    prompt that diverges inside the base context must each get its own exact delta, and
+    no later write may alter an earlier call's cached context."""
+    base = growing_session("s1", 4)
+    p = base[3].prompt_ids
+    extra = [
+        mk_call("s1", "regen", prompt_ids=p, output_ids=[1, 2], output_logprobs=[-1.0, -1.0]),
+        mk_call("s1", "old", prompt_ids=np.concatenate([base[1].prompt_ids, [5, 6]])),
+        mk_call("s1", "trim", prompt_ids=np.concatenate([p[:-3], [9, 9, 9, 9]])),
+        mk_call("s1", "next", prompt_ids=np.concatenate([p, base[3].output_ids, [4]])),
+        mk_call("s1", "after-regen", prompt_ids=np.concatenate([p, [1, 2, 3]])),
+    ]
+    with LedgerStore(tmp_path / "l.db") as store:
+        stored = [store.append_call(c) for c in base]
+        stored += [store.append_call(c, base_hint="c3") for c in extra]
+        bases = {sc.call_id: sc.prompt.base_call_id for sc in stored}
+        assert bases["regen"] == "c3" and bases["next"] == "c3"
+        assert bases["after-regen"] == "regen"
+        assert store.check() == []
+        assert _reconstructs(store, [*base, *extra])
+        sc = stored[-1]
+        assert not sc.prompt.suffix_ids.flags.writeable
+        assert not sc.call.output_ids.flags.writeable
+
+
+def test_caller_mutating_its_arrays_does_not_reach_the_cache(tmp_path: Path) -> None:
+    calls = growing_session("s1", 3)
+    prompt, out = calls[0].prompt_ids.copy(), calls[0].output_ids.copy()
+    first = mk_call("s1", "c0", prompt_ids=prompt, output_ids=out,
+                    output_logprobs=calls[0].output_logprobs)
+    with LedgerStore(tmp_path / "l.db") as store:
+        store.append_call(first)
+        prompt[:] = 0
+        out[:] = 0
+        sc = store.append_call(calls[1], base_hint="c0")
+        assert sc.prompt.base_call_id == "c0"
+        assert sc.prompt.prefix_len == calls[0].context_len
+        assert _reconstructs(store, calls[1:2])
+
+
+def test_rollback_forgets_the_session_row_and_contexts(tmp_path: Path) -> None:
+    with LedgerStore(tmp_path / "l.db") as store:
+        good = mk_call("s9", "c0", task_id="t1")
+        dup = mk_call("s9", "c0", task_id="t1")
+        with pytest.raises(LedgerError, match="already in the ledger"):
+            store.append_calls([good, dup])
+        assert store.count_calls() == 0 and not store.has_session("s9")
+        # nothing of the rolled-back batch may survive in the caches
+        sc = store.append_call(mk_call("s9", "c1", task_id="t2", prompt_ids=[1, 2, 3, 4, 5]),
+                               base_hint="c0")
+        assert sc.prompt.base_call_id is None
+        assert {s.task_id for s in store.sessions()} == {"t2"}
+        assert store.check() == []

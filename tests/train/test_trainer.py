@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -51,6 +52,34 @@ def test_step_equals_per_path_sgd(max_tokens: int) -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, (p - tiny_qwen3(0).get_parameter(name)).abs().max().item())
     assert moved > 1e-4
+
+
+def test_trees_without_signal_are_skipped_with_the_same_update() -> None:
+    """Trees whose groups hold only zero advantages are not trained, yet the update is
+    exactly per-path SGD over the whole batch (G still counts their groups)."""
+    model, trees, true = _setup(5)
+    quiet = TrainTree(trees[1].tree_id, trees[1].segments,
+                      tuple(replace(b, advantage=0.0) for b in trees[1].branches))
+    trees = [trees[0], quiet, trees[2]]
+    ref = copy.deepcopy(model)
+    cfg = LossConfig(correction="tis", C=1.2)
+    trainer = TreeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5), cfg,
+                          max_grad_norm=None)
+    m = trainer.step(trees)
+    assert m.trees_skipped == 1
+    assert m.tokens == trees[0].unique_tokens + trees[2].unique_tokens
+    batch = pack_trees(trees, 10_000)
+    loss = per_path_loss(ref, trees, batch.to_segment_arrays(true.numpy()), cfg)
+    loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+    before = copy.deepcopy(model.state_dict())
+    m = trainer.step([quiet])
+    assert m.trees_skipped == 1 and m.tokens == 0 and m.grad_norm == 0.0
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, before[name]), name  # no signal: no optimizer step
 
 
 def test_metrics_match_direct_computation() -> None:

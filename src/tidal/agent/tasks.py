@@ -16,7 +16,9 @@ Built-in sets (`load_taskset(name)`):
   the easiest structure that transfers to held-out tasks. Measured (docs/agent.md): a
   random-initialised tiny model learns the call format in 25-50 supervised steps, but
   the content was still at chance after 150 steps of 8 demonstrations. Partial credit:
-  the right file with the wrong digit earns 0.5.
+  the right file with the wrong digit earns 0.5. The word is a different token in the
+  prompt (" cat") than in the path ("cat"), while a digit is the same token in both:
+  the name is the hard half (docs/agent.md, "Why RL plateaus").
 - `digits`: copy a 3-digit number, reverse it, or write its largest digit ("Write 471
   reversed to answer.txt."); held-out numbers never appear in training. Qwen's
   tokenizer splits numbers into digits, so this is positional copying of digit tokens

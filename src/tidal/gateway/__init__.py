@@ -5,7 +5,7 @@ parsing), `render` (template blocks), `tito` (token-in-token-out prompt assembly
 `drift` (classification), `core` (one request -> one recorded call), `server` (HTTP,
 `GatewayServer`), `verify` (the fidelity audit), `cli` (`tidal serve`, `tidal verify`).
 
-`GatewayServer` is imported lazily so that importing the package does not load Starlette.
+`GatewayServer` is imported lazily so that importing the package does not load uvicorn.
 """
 
 from __future__ import annotations

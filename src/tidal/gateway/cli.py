@@ -1,6 +1,6 @@
 """`tidal serve` and `tidal verify`: wiring only (logic lives in server.py, verify.py).
 
-Heavy imports (torch, transformers, starlette, uvicorn) happen inside the commands.
+Heavy imports (torch, transformers, uvicorn) happen inside the commands.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def serve(
     from tidal.engine.base import Engine
     from tidal.engine.tiny import load_tokenizer, resolve_model
     from tidal.gateway.core import Gateway
-    from tidal.gateway.server import create_app
+    from tidal.gateway.server import create_app, uvicorn_config
     from tidal.ledger.store import LedgerStore
 
     try:
@@ -64,14 +64,11 @@ def serve(
         default_max_tokens=max_tokens,
     )
     typer.echo(f"tidal gateway: http://127.0.0.1:{port}/v1  (sessions: /sessions/<id>/v1)")
-    uvicorn.run(
-        create_app(gw),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        access_log=False,
-        http="httptools",
-    )
+    app = create_app(gw)
+    try:
+        uvicorn.Server(uvicorn_config(app, "127.0.0.1", port)).run()
+    finally:
+        app.close()
 
 
 def verify(

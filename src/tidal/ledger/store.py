@@ -7,10 +7,15 @@ What it does, and what it deliberately keeps simple:
   `check()` finds an altered, reordered or removed record and names it.
 - Prompts are stored as `PromptDelta`s against the best of a few candidate earlier
   calls of the same session (the caller's hint, then the most recent calls). The
-  candidates' contexts are cached in memory as tuples of immutable array pieces, so a
-  500-call session never copies or stores its growing prompt 500 times. A prompt that
-  shares more with an older, uncached call is still stored correctly, only less
-  compactly; `tidal.tree` rebuilds the exact prefix tree either way.
+  candidates' contexts are cached in memory as prefixes of shared growable buffers
+  (`_Tape`): a call that continues the latest context is appended in place, so a
+  500-call session never copies or stores its growing prompt 500 times, and choosing a
+  base is one vectorised comparison per candidate. A prompt that shares more with an
+  older, uncached call is still stored correctly, only less compactly; `tidal.tree`
+  rebuilds the exact prefix tree either way.
+- Per session, the store also remembers its `sessions` row once it has read or written
+  it (rows are never updated, so that knowledge cannot go stale). Duplicate call ids
+  are refused by the table's UNIQUE constraint rather than looked up first.
 - Many writers (threads or processes) may append at once: each append is one
   `BEGIN IMMEDIATE` transaction with a busy timeout. WAL with synchronous=NORMAL
   survives a killed process with every committed record intact.
@@ -47,7 +52,7 @@ SCHEMA_VERSION = 1
 _EMPTY_IDS: IdArray = np.zeros(0, np.int32)
 _CANDIDATES = 4  # most recent calls of a session compared against a new prompt
 _CACHED_SESSIONS = 512
-_MAX_PIECES = 128
+_MIN_TAPE = 256  # tokens: smallest buffer a tape starts with
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -97,8 +102,13 @@ CREATE TRIGGER IF NOT EXISTS sessions_no_update BEFORE UPDATE ON sessions
 _GENESIS = "0" * 64
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
 def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """Sorted keys, no ASCII escaping, no spaces: the bytes the content hashes cover (one
+    shared encoder: `json.dumps` would build a new one per call)."""
+    return _CANONICAL.encode(obj)
 
 
 def _sha(*parts: bytes) -> str:
@@ -136,26 +146,50 @@ def _call_hash(header: str, suffix: bytes, output: bytes, logprobs: bytes) -> st
 
 # ------------------------------------------------------------------ prefix arithmetic
 
-Pieces = tuple[IdArray, ...]  # a context as immutable array pieces, concatenated
+
+class _Tape:
+    """A growable token buffer shared by cached contexts: each context is a prefix
+    `ids[:n]` of one tape. Only positions at or past `used` are ever written, so every
+    context handed out stays valid; the buffer is replaced (not resized) when it fills."""
+
+    __slots__ = ("ids", "used")
+
+    def __init__(self, capacity: int) -> None:
+        self.ids: IdArray = np.empty(max(capacity, _MIN_TAPE), np.int32)
+        self.used = 0
 
 
-def _pieces_len(pieces: Pieces) -> int:
-    return sum(int(p.shape[0]) for p in pieces)
+Context = tuple[_Tape, int]  # (tape, length): the tokens tape.ids[:length]
 
 
-def _truncate(pieces: Pieces, n: int) -> Pieces:
-    out: list[IdArray] = []
-    left = n
-    for p in pieces:
-        if left <= 0:
-            break
-        if p.shape[0] <= left:
-            out.append(p)
-            left -= int(p.shape[0])
-        else:
-            out.append(p[:left])
-            left = 0
-    return tuple(out)
+def _extend(base: Context | None, keep: int, *parts: IdArray) -> Context:
+    """The context `base[:keep] + parts`. Written in place after `base` when `base` ends
+    its tape (`keep` is then its whole length) and the tape has room: the usual
+    continuation of a conversation. Otherwise a new tape, with half as much again as
+    room for later continuations, gets a copy of the kept prefix: a branch, a trimmed
+    prefix or a full tape costs one copy, the same order of work as the comparison that
+    chose the base. Memory: a linear session's cached contexts share one tape (up to 1.5x
+    its context); each branch among them has its own."""
+    n = keep + sum(int(p.shape[0]) for p in parts)
+    tape = base[0] if base is not None else None
+    if tape is None or tape.used != keep or tape.ids.shape[0] < n:
+        new = _Tape(n + n // 2)
+        if tape is not None:
+            new.ids[:keep] = tape.ids[:keep]
+        tape = new
+    pos = keep
+    for p in parts:
+        tape.ids[pos : pos + p.shape[0]] = p
+        pos += int(p.shape[0])
+    tape.used = n
+    return tape, n
+
+
+def _view(tape: _Tape, start: int, stop: int) -> IdArray:
+    """A read-only view of tape tokens (what `StoredCall` hands back: no copies)."""
+    v = tape.ids[start:stop]
+    v.flags.writeable = False
+    return v
 
 
 def common_prefix_len(a: IdArray, b: IdArray) -> int:
@@ -163,20 +197,10 @@ def common_prefix_len(a: IdArray, b: IdArray) -> int:
     m = min(a.shape[0], b.shape[0])
     if m == 0:
         return 0
-    if np.array_equal(a[:m], b[:m]):
+    diff = a[:m] != b[:m]
+    if not diff.any():
         return int(m)
-    return int(np.argmax(a[:m] != b[:m]))
-
-
-def _prefix_against(prompt: IdArray, pieces: Pieces) -> int:
-    """Longest common prefix of `prompt` with the concatenation of `pieces`."""
-    off = 0
-    for p in pieces:
-        n = common_prefix_len(prompt[off:], p)
-        off += n
-        if n < p.shape[0]:
-            break
-    return off
+    return int(np.argmax(diff))
 
 
 # ------------------------------------------------------------------------- read side
@@ -257,6 +281,18 @@ class CallLog:
 # ------------------------------------------------------------------------------ store
 
 
+class _SessionState:
+    """What a store remembers of one session between appends (under its lock): the
+    contexts of its latest calls, and its `sessions` row (task_id, parent_session_id)
+    once known. Dropped whole when a transaction that touched the session rolls back."""
+
+    __slots__ = ("contexts", "row")
+
+    def __init__(self) -> None:
+        self.contexts: OrderedDict[str, Context] = OrderedDict()
+        self.row: tuple[str | None, str | None] | None = None
+
+
 class LedgerStore:
     """An append-only ledger in one SQLite file. Safe to share between threads.
 
@@ -284,7 +320,7 @@ class LedgerStore:
         except sqlite3.DatabaseError as e:
             raise LedgerError(f"{self.path} is not a readable tidal ledger store: {e}") from e
         self._lock = threading.RLock()
-        self._contexts: OrderedDict[str, OrderedDict[str, Pieces]] = OrderedDict()
+        self._sessions: OrderedDict[str, _SessionState] = OrderedDict()
 
     # ---------------------------------------------------------------- housekeeping
     def _init_meta(self) -> None:
@@ -365,13 +401,14 @@ class LedgerStore:
                 raise
 
     def _forget(self, session_ids: Iterable[str]) -> None:
+        """Drop what a rolled-back transaction may have taught the caches."""
         for s in set(session_ids):
-            self._contexts.pop(s, None)
+            self._sessions.pop(s, None)
 
-    def _session_cache(self, session_id: str) -> OrderedDict[str, Pieces]:
-        cache = self._contexts.get(session_id)
-        if cache is None:
-            cache = OrderedDict()
+    def _session_state(self, session_id: str) -> _SessionState:
+        state = self._sessions.get(session_id)
+        if state is None:
+            state = _SessionState()
             # Another process may have written this session: seed with its latest call.
             row = self._db.execute(
                 "SELECT call_id FROM calls WHERE session_id=? ORDER BY seq DESC LIMIT 1",
@@ -379,38 +416,35 @@ class LedgerStore:
             ).fetchone()
             if row is not None:
                 log = self.call_log(session_id)
-                cache[row[0]] = (log.context_ids(row[0]),)
-            self._contexts[session_id] = cache
-            while len(self._contexts) > _CACHED_SESSIONS:
-                self._contexts.popitem(last=False)
+                state.contexts[row[0]] = _extend(None, 0, log.context_ids(row[0]))
+            self._sessions[session_id] = state
+            while len(self._sessions) > _CACHED_SESSIONS:
+                self._sessions.popitem(last=False)
         else:
-            self._contexts.move_to_end(session_id)
-        return cache
+            self._sessions.move_to_end(session_id)
+        return state
 
-    def _context_pieces(self, session_id: str, call_id: str) -> Pieces | None:
-        cache = self._session_cache(session_id)
-        if call_id in cache:
-            return cache[call_id]
+    def _context(self, state: _SessionState, session_id: str, call_id: str) -> Context | None:
+        if call_id in state.contexts:
+            return state.contexts[call_id]
         row = self._db.execute(
             "SELECT 1 FROM calls WHERE session_id=? AND call_id=?", (session_id, call_id)
         ).fetchone()
         if row is None:
             return None
-        return (self.call_log(session_id).context_ids(call_id),)
+        return _extend(None, 0, self.call_log(session_id).context_ids(call_id))
 
     def _insert_call(self, call: Call, hint: str | None) -> StoredCall:
         db = self._db
         where = f"call {call.call_id!r} of session {call.session_id!r}"
-        if db.execute(
-            "SELECT 1 FROM calls WHERE session_id=? AND call_id=?",
-            (call.session_id, call.call_id),
-        ).fetchone():
-            raise LedgerError(f"{where}: already in the ledger (call ids are unique per session)")
         self._check_parent(call, where)
-        sess = db.execute(
-            "SELECT task_id, parent_session_id FROM sessions WHERE session_id=?",
-            (call.session_id,),
-        ).fetchone()
+        state = self._session_state(call.session_id)
+        sess = state.row
+        if sess is None:
+            sess = state.row = db.execute(
+                "SELECT task_id, parent_session_id FROM sessions WHERE session_id=?",
+                (call.session_id,),
+            ).fetchone()
         if sess is not None:
             if call.task_id is not None and sess[0] is not None and call.task_id != sess[0]:
                 raise LedgerError(
@@ -427,27 +461,28 @@ class LedgerStore:
                 )
 
         # Choose the base: the hint, then the session's most recent calls.
-        cache = self._session_cache(call.session_id)
-        candidates: list[tuple[str, Pieces]] = []
+        cache = state.contexts
+        candidates: list[tuple[str, Context]] = []
         if hint is not None:
-            pieces = self._context_pieces(call.session_id, hint)
-            if pieces is not None:
-                candidates.append((hint, pieces))
+            ctx = self._context(state, call.session_id, hint)
+            if ctx is not None:
+                candidates.append((hint, ctx))
         for cid in reversed(list(cache.keys())[-_CANDIDATES:]):
             if cid != hint:
                 candidates.append((cid, cache[cid]))
         prompt = call.prompt_ids
         best_id: str | None = None
         best_len = 0
-        best_pieces: Pieces = ()
-        for cid, pieces in candidates:
-            if _pieces_len(pieces) <= best_len:
+        best_ctx: Context | None = None
+        for cid, (tape, length) in candidates:
+            if length <= best_len:
                 continue  # cannot beat the best match so far
-            n = _prefix_against(prompt, pieces)
+            n = common_prefix_len(prompt, tape.ids[:length])
             if n > best_len:
-                best_id, best_len, best_pieces = cid, n, pieces
-        suffix = prompt[best_len:].copy()
-        output = call.output_ids.copy()
+                best_id, best_len, best_ctx = cid, n, (tape, length)
+        plen, olen = int(prompt.shape[0]), int(call.output_ids.shape[0])
+        tape, end = _extend(best_ctx, best_len, prompt[best_len:], call.output_ids)
+        suffix, output = _view(tape, best_len, plen), _view(tape, plen, end)
         delta = PromptDelta(best_id, best_len, suffix)
 
         header = _call_header(call, delta)
@@ -455,15 +490,20 @@ class LedgerStore:
         content = _call_hash(header, sb, ob, lb)
         prev = db.execute("SELECT chain_hash FROM calls ORDER BY seq DESC LIMIT 1").fetchone()
         chain = _chain(prev[0] if prev else _GENESIS, content)
-        cur = db.execute(
-            "INSERT INTO calls (session_id, call_id, role, base_call_id, prefix_len, prompt_len,"
-            " output_len, suffix_ids, output_ids, output_logprobs, header, content_hash,"
-            " chain_hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                call.session_id, call.call_id, call.role, best_id, best_len, delta.prompt_len,
-                int(output.shape[0]), sb, ob, lb, header, content, chain,
-            ),
-        )
+        try:
+            cur = db.execute(
+                "INSERT INTO calls (session_id, call_id, role, base_call_id, prefix_len,"
+                " prompt_len, output_len, suffix_ids, output_ids, output_logprobs, header,"
+                " content_hash, chain_hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    call.session_id, call.call_id, call.role, best_id, best_len, plen, olen,
+                    sb, ob, lb, header, content, chain,
+                ),
+            )
+        except sqlite3.IntegrityError as e:  # UNIQUE (session_id, call_id)
+            raise LedgerError(
+                f"{where}: already in the ledger (call ids are unique per session)"
+            ) from e
         seq = int(cur.lastrowid or 0)
         if sess is None:
             db.execute(
@@ -471,10 +511,8 @@ class LedgerStore:
                 " first_seq) VALUES (?,?,?,?,?)",
                 (call.session_id, call.task_id, call.parent_session_id, call.parent_call_id, seq),
             )
-        pieces = (*_truncate(best_pieces, best_len), suffix, output)
-        if len(pieces) > _MAX_PIECES:  # keep comparisons vectorised: one copy per ~64 calls
-            pieces = (np.concatenate(pieces),)
-        cache[call.call_id] = pieces
+            state.row = (call.task_id, call.parent_session_id)
+        cache[call.call_id] = (tape, end)
         while len(cache) > 2 * _CANDIDATES:
             cache.popitem(last=False)
         stored_call = replace(call, prompt_ids=_EMPTY_IDS, output_ids=output)

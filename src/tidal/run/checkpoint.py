@@ -30,6 +30,7 @@ class RunState:
     trained_sessions: tuple[str, ...] = ()
     dropped_sessions: tuple[str, ...] = ()  # scheduled but dropped (stale) or failed
     sessions: int = 0  # RL sessions rolled out
+    task_signal: dict[str, tuple[int, int]] = field(default_factory=dict)  # curriculum.py
     extra: dict[str, Any] = field(default_factory=dict)
 
     def advance(self, **changes: Any) -> RunState:
@@ -69,4 +70,5 @@ def load_state(ckpt: Path) -> RunState:
     d = json.loads((ckpt / "state.json").read_text())
     d["trained_sessions"] = tuple(d.get("trained_sessions", ()))
     d["dropped_sessions"] = tuple(d.get("dropped_sessions", ()))
+    d["task_signal"] = {t: (int(n), int(k)) for t, (n, k) in d.get("task_signal", {}).items()}
     return RunState(**d)

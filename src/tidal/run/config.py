@@ -49,6 +49,11 @@ class RolloutConfig(_Section):
         ("write_file", "finish"),
         description="tools offered to the agent (and in the warm start's demonstrations)",
     )
+    task_sampling: Literal["uniform", "informative"] = Field(
+        "informative",
+        description="which training tasks a batch rolls out: uniformly, or favouring tasks "
+        "whose groups' rewards differed (docs/config.md)",
+    )
     sandbox: Literal["bwrap", "local"] = Field(
         "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted)"
     )

@@ -41,6 +41,7 @@ from tidal.gateway.verify import verify_store
 from tidal.ledger import LedgerStore, Outcome, Status
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
+from tidal.run.curriculum import record_groups, sample_batch
 from tidal.run.progress import RunLog
 from tidal.run.rollout import Episode, Rollouts, make_scheduler, new_session_id, runtime_factory
 from tidal.run.warmstart import render_all, warm_start
@@ -185,16 +186,21 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                 max_staleness=cfg.rl.max_staleness,
             )
             roll = partial(rollouts.group, base_version=state.policy_version)
+            train_ids = [t.task_id for t in train_tasks]
 
             first_step = state.step
 
             def submit(n: int) -> None:
-                """Queue n task groups: whole random task batches, as many as needed. A
-                session id names the step its group was planned for."""
+                """Queue n task groups, drawn batch by batch (`rollout.task_sampling`)
+                with what the steps so far taught. A session id names the step its group
+                was planned for."""
                 works = []
                 for i in range(len(group_sids), len(group_sids) + n):
                     if not plan:
-                        plan.extend(rng.sample(train_tasks, min(b, len(train_tasks))))
+                        plan.extend(sample_batch(
+                            rng, train_tasks, train_ids, b,
+                            sampling=cfg.rollout.task_sampling, signal=state.task_signal,
+                        ))
                     task = plan.popleft()
                     step = first_step + i // b + 1
                     works.append([(task, new_session_id("rl", step, task.task_id, k))
@@ -207,10 +213,15 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
             groups: list[Sample] = []
             lost = 0  # groups dropped as stale or failed: replaced by new ones
             log.phase("rl", cfg.rl.steps, done=state.step)
+            # groups are queued as late as the staleness bound allows (K + 1 batches
+            # ahead), so each batch's tasks are drawn with the latest task statistics;
+            # no flush: a batch is never closed early while the next one is not queued
+            todo, ahead = (cfg.rl.steps - state.step) * b, (cfg.rl.max_staleness + 1) * b
             with sched:
-                submit((cfg.rl.steps - state.step) * b)
+                submit(min(todo, ahead))
+                todo -= min(todo, ahead)
                 t0, cpu0 = time.perf_counter(), _cpu_seconds()
-                for mb in sched.iter_batches(steps=cfg.rl.steps - state.step):
+                for mb in sched.iter_batches(steps=cfg.rl.steps - state.step, flush=False):
                     groups.extend(mb.samples)
                     if not mb.done():
                         continue  # the batch fills as groups finish (streaming)
@@ -233,6 +244,10 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                             *state.dropped_sessions, *(s for i in gone for s in group_sids[i])
                         ))),
                         sessions=state.sessions + len(sessions),
+                        task_signal=record_groups(state.task_signal, (
+                            (grp.value[0].task_id, [e.reward for e in grp.value])
+                            for grp in groups if grp.value
+                        )),
                     )
                     sync_engine(state.policy_version)
                     state = checkpoint(state)
@@ -245,6 +260,9 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                     if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
                         evaluate(f"s{state.step}")
                     sched.step_done()
+                    if todo:
+                        submit(min(todo, b))
+                        todo -= min(todo, b)
                     if len(gone) > lost:  # keep every remaining step's batch full
                         submit(len(gone) - lost)
                         lost = len(gone)

@@ -15,6 +15,14 @@
    gradients) for partitioned trees only;
 5. optional gradient-norm clip, optimizer step.
 
+Trees whose norm groups hold only branches of advantage 0 carry no policy-gradient
+signal (typically a GRPO group whose sessions all earned the same reward: about half of
+them in `tidal run`). Without a KL term they are not packed, recomputed or
+backpropagated, while the loss keeps counting their norm groups in G, so the gradient is
+exactly that of the whole batch. A batch with no signal at all takes no optimizer step
+(its metrics are zeros, with `trees_skipped`). The mismatch metrics are measured over
+the trained trees.
+
 Shape letters: N targets, P pairs, B branches, V vocabulary, G key/value heads, U tokens
 of a tree, D head dim.
 
@@ -179,6 +187,13 @@ class StepMetrics:
     streams: int
     grad_norm: float
     seconds: float
+    trees_skipped: int = 0  # trees without signal (all advantages 0), not trained
+
+    @classmethod
+    def empty(cls, skipped: int, seconds: float) -> StepMetrics:
+        """A batch without signal: nothing trained, no optimizer step."""
+        zero = {f: 0.0 for f in cls.__dataclass_fields__ if f not in ("seconds", "trees_skipped")}
+        return cls(**zero, seconds=seconds, trees_skipped=skipped)  # type: ignore[arg-type]
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -204,7 +219,11 @@ def build_pair_terms(
     old_N: torch.Tensor,
     cfg: LossConfig,
     ref_N: torch.Tensor | None = None,
+    *,
+    n_groups: int | None = None,
 ) -> PairTerms:
+    """`n_groups`: G of the loss when it differs from the batch's own norm groups (the
+    trainer leaves out trees with no signal but keeps counting their groups)."""
     dev = old_N.device
     tgt = torch.as_tensor(
         np.concatenate([s.pair_target_P + s.target_offset for s in batch.streams]), device=dev
@@ -216,7 +235,7 @@ def build_pair_terms(
     w, m = pair_correction(delta, tgt, br, n_b, cfg)
     coef = torch.as_tensor(batch.branch_coef_B, device=dev)[br]
     grp = torch.as_tensor(batch.branch_group_B, device=dev)[br]
-    G = len(batch.group_names)
+    G = n_groups if n_groups is not None else len(batch.group_names)
     D = torch.zeros(G, device=dev).index_add_(0, grp, coef * m)
     inv = torch.where(D > 0, 1.0 / (D * G), torch.zeros_like(D))
     return PairTerms(
@@ -317,6 +336,16 @@ def mismatch_metrics(batch: PackedBatch, terms: PairTerms, cfg: LossConfig) -> d
     }
 
 
+def _trees_with_signal(trees: Sequence[TrainTree]) -> list[TrainTree]:
+    """The trees that share a norm group with some branch of non-zero advantage. The
+    others contribute nothing to any group's numerator N_g, and their groups' D_g divide
+    nothing else, so leaving them out changes no gradient (with G kept). A tree without
+    branches is kept, for packing to reject."""
+    signal = {b.norm_group for t in trees for b in t.branches if b.advantage != 0.0}
+    return [t for t in trees
+            if not t.branches or any(b.norm_group in signal for b in t.branches)]
+
+
 class TreeTrainer:
     """Owns one policy update per call of `step`: pack, recompute, correct, loss, step."""
 
@@ -348,6 +377,13 @@ class TreeTrainer:
 
     def step(self, trees: Sequence[TrainTree]) -> StepMetrics:
         t0 = time.perf_counter()
+        n_groups = len({b.norm_group for t in trees for b in t.branches})
+        skipped = 0
+        if not self.cfg.kl_coef:  # without a KL term, a zero advantage is a zero gradient
+            live = _trees_with_signal(trees)
+            if not live:
+                return StepMetrics.empty(len(trees), time.perf_counter() - t0)
+            skipped, trees = len(trees) - len(live), live
         batch = pack_trees(trees, self.max_tokens)
         cache = KVCache()
         old = recompute_logprobs(
@@ -362,7 +398,7 @@ class TreeTrainer:
             ref = recompute_logprobs(
                 self.ref_model, batch, attention=self.attention, max_mask_bytes=self.max_mask_bytes
             )
-        terms = build_pair_terms(batch, old, self.cfg, ref)
+        terms = build_pair_terms(batch, old, self.cfg, ref, n_groups=n_groups)
         self.optimizer.zero_grad(set_to_none=True)
         loss, clip_frac = tree_loss_backward(
             self.model,
@@ -389,5 +425,6 @@ class TreeTrainer:
             streams=len(batch.streams),
             grad_norm=grad_norm if not math.isnan(grad_norm) else 0.0,
             seconds=time.perf_counter() - t0,
+            trees_skipped=skipped,
             **mm,
         )

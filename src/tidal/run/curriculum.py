@@ -1,0 +1,71 @@
+"""Which training tasks the next RL batch rolls out: uniformly, or where the signal is.
+
+A GRPO group teaches only when its rewards differ: a task that every session solves, or
+that every session fails the same way, gives all its sessions advantage 0 (about half of
+the groups of a uniform `tidal run`). `informative` sampling draws each batch's tasks
+(distinct, without replacement) with weight
+
+    w(task) = (groups with differing rewards + 1) / (groups trained + 2)
+
+over the task's groups trained so far: 1/2 for a task not yet seen, towards 0 for one
+always solved (or always failed alike), towards 1 for one whose sessions disagree. It
+is the idea of DAPO's dynamic sampling (drop such groups after rolling them out) and of
+online difficulty filtering, applied before the rollout so no compute is spent on them.
+
+Deliberately simplified: evidence is per task (tasks that share a skill share nothing)
+and never ages, although the policy that produced it changes; the +1/+2 prior keeps
+every task drawable, so a solved task is still revisited now and then.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
+
+TaskSignal = Mapping[str, tuple[int, int]]  # task id -> (groups trained, with differing rewards)
+SAMPLINGS = ("uniform", "informative")
+
+T = TypeVar("T")
+
+
+def has_signal(rewards: Sequence[float]) -> bool:
+    """Do a group's rewards differ (so that some advantage is not zero)?"""
+    return bool(rewards) and max(rewards) - min(rewards) > 1e-9
+
+
+def record_groups(
+    signal: TaskSignal, groups: Iterable[tuple[str, Sequence[float]]]
+) -> dict[str, tuple[int, int]]:
+    """`signal` with the trained groups (task id, the rewards of its sessions) added."""
+    out = dict(signal)
+    for task_id, rewards in groups:
+        n, k = out.get(task_id, (0, 0))
+        out[task_id] = (n + 1, k + has_signal(rewards))
+    return out
+
+
+def task_weight(task_id: str, signal: TaskSignal) -> float:
+    n, k = signal.get(task_id, (0, 0))
+    return (k + 1) / (n + 2)
+
+
+def sample_batch(
+    rng: random.Random, tasks: Sequence[T], ids: Sequence[str], k: int, *,
+    sampling: str, signal: TaskSignal,
+) -> list[T]:
+    """k distinct tasks (all of them if fewer): uniformly (`rng.sample`) or weighted by
+    `task_weight` (`ids[i]` is the id of `tasks[i]`)."""
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"task sampling must be one of {SAMPLINGS}, got {sampling!r}")
+    k = min(k, len(tasks))
+    if sampling == "uniform":
+        return rng.sample(list(tasks), k)
+    pool = list(range(len(tasks)))
+    weights = [task_weight(ids[i], signal) for i in pool]
+    chosen: list[T] = []
+    for _ in range(k):
+        j = rng.choices(range(len(pool)), weights=weights)[0]
+        chosen.append(tasks[pool.pop(j)])
+        weights.pop(j)
+    return chosen
