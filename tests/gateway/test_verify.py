@@ -3,7 +3,9 @@ re-rendered history (what a text-based recorder produces)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +108,55 @@ def test_gateway_store_passes_cli(
     assert code == 0 and d["ok"] is True
     assert d["calls"] == 2 and d["model_tokens"] == d["model_tokens_verbatim"] > 0
     assert d["drift"] == {"whitespace": 1}
+
+
+def test_a_drifted_turn_is_one_event_and_headers_stay_flat(
+    client_for: Any, engine: Any, store: LedgerStore
+) -> None:
+    """The client sends a drifted turn back with every later request: the ledger stores
+    the drift once, later calls list no spliced turns inside the call they continue, and
+    their headers do not grow with the session."""
+    from tests.gateway.test_http_drift import TOOLS, USER, tag_call
+
+    c = client_for("long")
+    engine.push(tag_call("set_switch", '{"name": "beta", "on": false}'))
+    r = c.chat.completions.create(model="scripted", messages=[USER], tools=TOOLS)
+    msg = r.choices[0].message.model_dump(exclude_none=True, exclude={"refusal"})
+    msg["tool_calls"][0]["function"]["arguments"] = "{'name': 'beta', 'on': False}"
+    history: list[Any] = [
+        USER, msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "ok"},
+    ]
+    for i in range(5):
+        engine.push(f"Done {i}.")
+        r = c.chat.completions.create(model="scripted", messages=history, tools=TOOLS)
+        history += [{"role": "assistant", "content": r.choices[0].message.content},
+                    {"role": "user", "content": f"again {i}"}]
+    log = store.call_log("long")
+    calls = [log.full_call(sc.call_id) for sc in log.calls]
+    assert [len(x.metadata["drift"]) for x in calls] == [0, 1, 0, 0, 0, 0]
+    for prev, cur in itertools.pairwise(calls):
+        assert cur.metadata["tito"]["continues"] == prev.call_id
+        assert cur.metadata["tito"]["spliced"] == []
+    with sqlite3.connect(store.path) as db:
+        sizes = [n for (n,) in db.execute(
+            "SELECT length(header) FROM calls WHERE session_id='long' ORDER BY seq")]
+    assert max(sizes[2:]) - min(sizes[2:]) <= 8, sizes  # counters and times, not the history
+    rep = verify_store(store)
+    assert rep.ok and rep.drift == {"json_literal": 1}
+
+
+def test_repeated_drift_records_count_once(tmp_path: Path) -> None:
+    """Ledgers written before drift was stored once per session repeat a drifted turn's
+    record in every later call: the audit counts the event once."""
+    rec = {"kind": "whitespace", "message_index": 1, "call_id": "c1", "client": "a",
+           "recorded": "b", "trainer_sees": "recorded_tokens", "detail": ""}
+    with LedgerStore(tmp_path / "old.db") as s:
+        s.append_call(mk("s", "c1", [1, 2, 3], [4, 5]))
+        for k, cid in enumerate(("c2", "c3", "c4")):
+            prev = ["c1", "c2", "c3"][k]
+            prompt = [1, 2, 3, 4, 5, *range(10, 12 + 2 * k)]
+            meta = {"tito": {"spliced": [["c1", 1, 3, 2]], "continues": prev,
+                             "foreign_turns": 0}, "drift": [rec]}
+            s.append_call(mk("s", cid, prompt, [], meta))
+        rep = verify_store(s)
+    assert rep.drift == {"whitespace": 1}

@@ -366,7 +366,8 @@ class Gateway:
         ]
         finish = gen.finish_reason if not tc_list else "tool_calls"
         role = route.role or ("subagent" if parent_session else "main")
-        meta = plan.metadata()
+        new_drift = turns.unstored_drift(plan.drift)
+        meta = plan.metadata(new_drift)
         meta["request"] = {
             "endpoint": "chat.completions",
             "n_messages": len(messages),
@@ -396,6 +397,7 @@ class Gateway:
             metadata=meta,
         )
         self._commit(call, plan.base_hint)
+        turns.note_stored_drift(new_drift)
         turns.add(
             RecordedTurn(
                 call_id,

@@ -84,6 +84,14 @@ class DriftRecord:
         }
 
 
+def drift_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Identity of a stored drift record: the same turn sent back the same way again is
+    the same event (the gateway stores it once per session; `tidal verify` counts it
+    once, also in ledgers that stored it with every later call)."""
+    return tuple(record.get(k) for k in
+                 ("kind", "call_id", "message_index", "client", "recorded", "detail"))
+
+
 @dataclass(frozen=True)
 class RecordedToolCall:
     id: str

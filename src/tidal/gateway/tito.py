@@ -64,6 +64,7 @@ from tidal.gateway.drift import (
     RecordedToolCall,
     check_tool_results,
     compare_turn,
+    drift_key,
     strip_thinking,
 )
 from tidal.gateway.messages import Message, message_fingerprint, tools_fingerprint
@@ -114,6 +115,17 @@ class SessionTurns:
         self.by_key: dict[str, list[str]] = {}
         self._added: list[tuple[RecordedTurn, str]] = []  # (turn, key) in order of adding
         self._seen: deque[Seen] = deque(maxlen=_KEPT_REQUESTS)
+        self._stored_drift: set[tuple[Any, ...]] = set()  # drift_key of stored records
+
+    def unstored_drift(self, records: Sequence[DriftRecord]) -> list[DriftRecord]:
+        """The records not yet stored for this session (a drifted turn is sent back with
+        every later request; it is one event, recorded by the first call that saw it)."""
+        with self._lock:
+            return [d for d in records if drift_key(d.to_dict()) not in self._stored_drift]
+
+    def note_stored_drift(self, records: Sequence[DriftRecord]) -> None:
+        with self._lock:
+            self._stored_drift.update(drift_key(d.to_dict()) for d in records)
 
     @property
     def version(self) -> int:
@@ -203,16 +215,24 @@ class PromptPlan:
     base_hint: str | None
     foreign_turns: int  # assistant messages this gateway did not produce
     prefix_fp: bytes  # fingerprint of tools + all messages: the new turn's history
+    continued_end: int = 0  # length of the continued call's context (0: continues none)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self, drift: Sequence[DriftRecord]) -> dict[str, Any]:
+        """What the ledger keeps of the plan. `spliced` lists only the turns spliced
+        after the continued call's context: those inside it are vouched for by that
+        call's own record (`tidal verify` checks the whole context is this prompt's
+        prefix), so the header stays the same size however long the session grows.
+        `drift` is what the caller passes: the records not yet stored for the session."""
+        end = self.continued_end
         return {
             "tito": {
-                "spliced": [[s.call_id, s.message_index, s.offset, s.length] for s in self.spliced],
+                "spliced": [[s.call_id, s.message_index, s.offset, s.length]
+                            for s in self.spliced if s.offset >= end],
                 "continues": self.continues,
                 "foreign_turns": self.foreign_turns,
             },
-            "drift": [d.to_dict() for d in self.drift],
+            "drift": [d.to_dict() for d in drift],
         }
 
 
@@ -451,6 +471,7 @@ def _splice(
         n += int(out.shape[0]) + len(closing)
     prompt = np.concatenate(pieces).astype(np.int32, copy=False)
     continues = base = None
+    continued_end = 0
     if spliced:
         last = spliced[-1]
         base = last.call_id
@@ -459,5 +480,7 @@ def _splice(
             d.kind == "history_rewritten" and d.call_id == t.call_id for d in drift
         ):
             continues = t.call_id
-    plan = PromptPlan(prompt, tuple(spliced), tuple(drift), continues, base, foreign, final_fp)
+            continued_end = last.offset + last.length
+    plan = PromptPlan(prompt, tuple(spliced), tuple(drift), continues, base, foreign, final_fp,
+                      continued_end)
     return plan, tuple(offsets), tuple(n_spliced)

@@ -6,7 +6,9 @@ Definitions (all counted over output tokens, i.e. tokens the engine sampled):
   conversation and does not carry R's sampled tokens unchanged at their position:
   * a later call C whose gateway metadata lists R among its spliced turns must hold
     R's output ids exactly at the recorded offset of C's prompt; and if C says it
-    continues R, R's whole context (prompt + output) must be a prefix of C's prompt;
+    continues R, R's whole context (prompt + output) must be a prefix of C's prompt
+    (the turns spliced inside that context are then R's own, checked at R: the gateway
+    lists only the turns spliced after it);
   * a later call without gateway metadata (imported, or from `/v1/completions`) whose
     prompt strictly extends R's prompt (the longest such R) continues R's conversation;
     it must start with the context of R or of a sibling sampled from the same prompt. A history
@@ -14,7 +16,8 @@ Definitions (all counted over output tokens, i.e. tokens the engine sampled):
   A call nobody continues (the session's last output, a branch the client abandoned, a
   turn the client edited) is verbatim: it is trained as the end of its own path.
 - `model_tokens_verbatim`: the output tokens of verbatim calls.
-- `drift`: counts by kind of the drift records the gateway stored in call metadata.
+- `drift`: counts by kind of the drift events the gateway stored in call metadata (a
+  record repeated by later calls of the session counts once).
 - `ok`: every model token is verbatim and the store's own integrity check passes.
 
 Deliberately simplified: the audit materialises each call's prompt from the ledger's
@@ -29,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from tidal.gateway.drift import drift_key
 from tidal.ledger.store import LedgerStore
 
 
@@ -68,11 +72,15 @@ def verify_store(store: LedgerStore) -> VerifyReport:
         prompts = {cid: np.asarray(log.prompt_ids(cid)) for cid in order}
         outputs = {sc.call_id: np.asarray(sc.call.output_ids) for sc in log.calls}
         bad: set[str] = set()
+        seen_drift: set[tuple[Any, ...]] = set()
         for pos, sc in enumerate(log.calls):
             cid, meta = sc.call_id, sc.call.metadata
             calls += 1
             for d in meta.get("drift", []) if isinstance(meta, dict) else []:
-                drift[str(d.get("kind"))] += 1
+                key = drift_key(d)
+                if key not in seen_drift:  # one event, however many calls carried it
+                    seen_drift.add(key)
+                    drift[str(d.get("kind"))] += 1
             prompt = prompts[cid]
             tito = meta.get("tito") if isinstance(meta, dict) else None
             earlier = order[:pos]
