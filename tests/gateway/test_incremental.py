@@ -11,22 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.gateway.test_pure import TOOLS
 from tidal.gateway.drift import RecordedToolCall
 from tidal.gateway.family import detect_family
 from tidal.gateway.messages import messages_text, parse_messages
 from tidal.gateway.render import Renderer
 from tidal.gateway.tito import PromptPlan, RecordedTurn, SessionTurns, assemble_prompt
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "f",
-            "description": "d",
-            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
-        },
-    }
-]
 OTHER_TOOLS = [{"type": "function", "function": {"name": "g", "description": "other"}}]
 
 

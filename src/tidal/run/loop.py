@@ -13,8 +13,8 @@ The trainer's model and the engine's model are two copies of the same weights in
 process; after each update the engine receives the new state dict and version. Rollouts
 go through the elastic scheduler (`tidal.schedule`, local backend): task groups are its
 work items, a full batch of groups is one step, and the policy (`schedule.policy`)
-decides whether rollouts and training alternate (colocated, the default) or overlap
-(elastic, async) within the staleness bound `rl.max_staleness`.
+decides whether rollouts and training overlap (elastic, the default; async) within the
+staleness bound `rl.max_staleness`, or alternate (colocated).
 """
 
 from __future__ import annotations
@@ -216,10 +216,17 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
             # groups are queued as late as the staleness bound allows (K + 1 batches
             # ahead), so each batch's tasks are drawn with the latest task statistics;
             # no flush: a batch is never closed early while the next one is not queued
-            todo, ahead = (cfg.rl.steps - state.step) * b, (cfg.rl.max_staleness + 1) * b
+            todo = (cfg.rl.steps - state.step) * b  # groups of the remaining steps
+
+            def queue(n: int) -> None:
+                nonlocal todo
+                k = min(n, todo)
+                todo -= k
+                if k:
+                    submit(k)
+
             with sched:
-                submit(min(todo, ahead))
-                todo -= min(todo, ahead)
+                queue((cfg.rl.max_staleness + 1) * b)
                 t0, cpu0 = time.perf_counter(), _cpu_seconds()
                 for mb in sched.iter_batches(steps=cfg.rl.steps - state.step, flush=False):
                     groups.extend(mb.samples)
@@ -260,9 +267,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                     if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
                         evaluate(f"s{state.step}")
                     sched.step_done()
-                    if todo:
-                        submit(min(todo, b))
-                        todo -= min(todo, b)
+                    queue(b)
                     if len(gone) > lost:  # keep every remaining step's batch full
                         submit(len(gone) - lost)
                         lost = len(gone)
