@@ -151,6 +151,12 @@ class Gateway:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    @property
+    def live_sessions(self) -> int:
+        """Sessions whose turns this gateway keeps in memory (until `forget_session`)."""
+        with self._lock:
+            return len(self._sessions)
+
     def forget_session(self, session_id: str) -> bool:
         """Drop a finished session's in-memory turns (the ledger keeps everything). Later
         requests of that session are then served without token-in-token-out for the

@@ -115,7 +115,8 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         context_budget_tokens=cfg.rollout.context_budget, max_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature, tools=cfg.rollout.tools,
     )
-    rollouts = Rollouts(url, model_name, agent_cfg, runtime_factory(cfg.rollout.sandbox), store)
+    rollouts = Rollouts(url, model_name, agent_cfg, runtime_factory(cfg.rollout.sandbox), store,
+                        forget=gateway.gateway.forget_session)
     evals = replace(rollouts, agent_cfg=replace(agent_cfg, temperature=cfg.eval.temperature))
     # evaluation runs as many sessions at once as the rollout devices can
     eval_workers = (cfg.schedule.devices * cfg.schedule.groups_per_device

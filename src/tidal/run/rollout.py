@@ -96,13 +96,17 @@ def _outcomes(result: AgentResult, grade: Grade) -> list[Outcome]:
 @dataclass(frozen=True)
 class Rollouts:
     """Where and how episodes run: the gateway's URL and model name, the harness
-    config, a fresh runtime per episode, and the ledger that gets the outcomes."""
+    config, a fresh runtime per episode, and the ledger that gets the outcomes.
+    `forget`, when given, is called with each session id of an episode once its
+    outcomes are recorded (the in-process gateway's `forget_session`: a finished session's
+    turns are not kept in memory for the rest of the run)."""
 
     gateway_url: str
     model: str
     agent_cfg: AgentConfig
     new_runtime: RuntimeFactory
     store: LedgerStore
+    forget: Callable[[str], object] | None = None
 
     def one(self, task: Task, session_id: str) -> Episode:
         """Run, grade and record one episode."""
@@ -120,6 +124,9 @@ class Rollouts:
         outcomes = [o for o in _outcomes(result, grade) if self.store.has_session(o.session_id)]
         if outcomes:
             self.store.append_outcomes(outcomes)
+        if self.forget is not None:
+            for r in result.all_sessions():
+                self.forget(r.session_id)
         return Episode(
             task_id=task.task_id, session_id=session_id,
             session_ids=tuple(o.session_id for o in outcomes), status=result.status,

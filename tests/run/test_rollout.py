@@ -1,0 +1,62 @@
+"""Rollouts: one graded episode through the real gateway, harness and ledger, and what the
+gateway keeps in memory afterwards. The engine is the scripted one (tests/gateway), so the
+episode's tool calls are known; everything between it and the ledger is real."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gateway.scripted_engine import ScriptedEngine
+from tidal.agent.harness import AgentConfig
+from tidal.agent.tasks import files_taskset
+from tidal.engine.tiny import ensure_tiny, load_tokenizer
+from tidal.gateway.server import GatewayServer
+from tidal.ledger import LedgerStore
+from tidal.run.rollout import Rollouts, local_runtime
+
+SOLVE = (
+    '<tool_call>\n{{"name": "write_file", "arguments": {{"path": "{path}", "content": "{d}"}}}}'
+    '\n</tool_call>'
+)
+FINISH = '<tool_call>\n{"name": "finish", "arguments": {"answer": "done"}}\n</tool_call>'
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[GatewayServer, ScriptedEngine, LedgerStore]]:
+    engine = ScriptedEngine(load_tokenizer(ensure_tiny()))
+    store = LedgerStore(tmp_path / "ledger.db")
+    srv = GatewayServer(engine, load_tokenizer(ensure_tiny()), store, port=0)
+    srv.start()
+    yield srv, engine, store
+    srv.stop()
+    store.close()
+
+
+def _rollouts(srv: GatewayServer, store: LedgerStore, **kw: Any) -> Rollouts:
+    cfg = AgentConfig(max_turns=4, tools=("write_file", "finish"))
+    return Rollouts(srv.base_url, "scripted", cfg, local_runtime, store, **kw)
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_an_episode_is_graded_recorded_and_then_forgotten_by_the_gateway(
+    live: tuple[GatewayServer, ScriptedEngine, LedgerStore], forget: bool
+) -> None:
+    srv, engine, store = live
+    task = files_taskset().train[0]  # "Write D to WORD.txt."
+    word, digit = task.task_id.split("-")[1:3]
+    engine.push(SOLVE.format(path=f"{word}.txt", d=digit), FINISH)
+    rollouts = _rollouts(srv, store, forget=srv.gateway.forget_session if forget else None)
+
+    ep = rollouts.one(task, "ep-0")
+
+    assert (ep.status, ep.reward, ep.n_calls) == ("complete", 1.0, 2)
+    assert ep.session_ids == ("ep-0",) and store.has_session("ep-0")
+    assert len(store.call_log("ep-0")) == 2
+    outcome = store.outcome("ep-0")
+    assert outcome is not None and outcome.reward == 1.0
+    # the finished session's turns stay in memory only when nothing forgets them
+    assert srv.gateway.live_sessions == (0 if forget else 1)
