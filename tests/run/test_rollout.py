@@ -27,9 +27,10 @@ FINISH = '<tool_call>\n{"name": "finish", "arguments": {"answer": "done"}}\n</to
 
 @pytest.fixture
 def live(tmp_path: Path) -> Iterator[tuple[GatewayServer, ScriptedEngine, LedgerStore]]:
-    engine = ScriptedEngine(load_tokenizer(ensure_tiny()))
+    tokenizer = load_tokenizer(ensure_tiny())
+    engine = ScriptedEngine(tokenizer)
     store = LedgerStore(tmp_path / "ledger.db")
-    srv = GatewayServer(engine, load_tokenizer(ensure_tiny()), store, port=0)
+    srv = GatewayServer(engine, tokenizer, store, port=0)
     srv.start()
     yield srv, engine, store
     srv.stop()

@@ -118,21 +118,25 @@ class Rollouts:
         except Exception as e:  # the sandbox failed, not the agent: mask, don't punish
             self.store.append_outcome(Outcome(session_id, Status.INFRA_ERROR, 0.0, 0.0,
                                               {"error": f"{type(e).__name__}: {e}"}))
+            self._forget([session_id])
             return Episode(task.task_id, session_id, (session_id,), "infra_error", 0.0, 0.0,
                            0, time.perf_counter() - t0)
         # a session that failed before its first call has nothing to train: no outcome
         outcomes = [o for o in _outcomes(result, grade) if self.store.has_session(o.session_id)]
         if outcomes:
             self.store.append_outcomes(outcomes)
-        if self.forget is not None:
-            for r in result.all_sessions():
-                self.forget(r.session_id)
+        self._forget([r.session_id for r in result.all_sessions()])
         return Episode(
             task_id=task.task_id, session_id=session_id,
             session_ids=tuple(o.session_id for o in outcomes), status=result.status,
             reward=grade.reward, partial_score=grade.partial_score, n_calls=result.n_calls,
             seconds=time.perf_counter() - t0,
         )
+
+    def _forget(self, session_ids: Sequence[str]) -> None:
+        if self.forget is not None:
+            for sid in session_ids:
+                self.forget(sid)
 
     def many(
         self,
