@@ -345,11 +345,6 @@ async def _send(send: Any, status: int, body: bytes, extra: Headers = ()) -> Non
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(gateway: Gateway, *, max_concurrency: int = 256) -> GatewayApp:
-    """The ASGI app serving `gateway` (see `GatewayApp`)."""
-    return GatewayApp(gateway, max_concurrency=max_concurrency)
-
-
 def uvicorn_config(app: GatewayApp, host: str, port: int) -> Any:
     """uvicorn settings for the gateway: the C HTTP parser (`httptools`, ~0.1 ms less per
     request than h11) and uvloop's event loop (picked when installed), no access log,
@@ -406,7 +401,7 @@ class GatewayServer:
     def start(self, timeout: float = 30.0) -> str:
         import uvicorn
 
-        self._app = create_app(self.gateway)
+        self._app = GatewayApp(self.gateway)
         self._server = uvicorn.Server(uvicorn_config(self._app, self.host, self.port))
         self._thread = threading.Thread(target=self._server.run, name="tidal-gateway", daemon=True)
         self._thread.start()

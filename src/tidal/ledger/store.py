@@ -500,7 +500,9 @@ class LedgerStore:
                     sb, ob, lb, header, content, chain,
                 ),
             )
-        except sqlite3.IntegrityError as e:  # UNIQUE (session_id, call_id)
+        except sqlite3.IntegrityError as e:
+            if "UNIQUE" not in str(e):  # only UNIQUE (session_id, call_id) means a duplicate
+                raise
             raise LedgerError(
                 f"{where}: already in the ledger (call ids are unique per session)"
             ) from e
