@@ -29,6 +29,11 @@ response parsed after it stops, so the client's own JSON work is not counted as 
 gateway's, while sending, the gateway's whole turn and reading the complete response are.
 On a shared 2-core machine the figures include CPU contention with the engine's torch
 threads, the clients and whatever else runs; `load_avg_1m` is printed with them.
+
+`machine` says how the host treats a process that waits: the same pure-Python job timed
+back to back and after a 200 ms pause (`machine_cold_factor`). A paced call starts after
+such a pause, so on a host with a large `cold_factor` its added latency is that much
+above the instant engine's, whatever the gateway does.
 """
 
 from __future__ import annotations
@@ -196,6 +201,53 @@ def measure(
     return out
 
 
+_PROBE_BODY = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": f"step {i}: report status " * 3} for i in range(30)],
+    "tools": [{"name": f"t{i}", "parameters": {"a": i, "b": [1, 2, 3]}} for i in range(8)],
+}
+
+
+def _probe_work() -> int:
+    """A fixed pure-Python job (~0.1 ms hot): JSON out and back, and a loop over it."""
+    text = json.dumps(_PROBE_BODY)
+    body = json.loads(text)
+    return len(text) + sum(len(m["content"].split()) for m in body["messages"])
+
+
+def machine_cold_factor(pause_s: float = 0.2, n: int = 30) -> dict[str, float]:
+    """How much slower the same pure-Python job runs after a pause than back to back, on
+    this machine, with nothing of tidal's involved: p50 ms back to back, after `pause_s`
+    asleep, and after `pause_s` spent busy-looping (so the CPU never idles). A factor well
+    above 1 in the busy case means something outside this process evicts its caches while
+    it waits (a shared virtual machine's host or neighbours): every paced call then pays
+    it, in the gateway and in the HTTP stack alike."""
+
+    def p50(pause: str | None) -> float:
+        out = []
+        for _ in range(n):
+            if pause == "sleep":
+                time.sleep(pause_s)
+            elif pause == "busy":
+                t = time.perf_counter()
+                while time.perf_counter() - t < pause_s:
+                    pass
+            t0 = time.perf_counter()
+            _probe_work()
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out)) * 1e3
+
+    p50(None)  # warm up
+    hot, asleep, busy = p50(None), p50("sleep"), p50("busy")
+    return {
+        "hot_ms": round(hot, 4),
+        "after_sleep_ms": round(asleep, 4),
+        "after_busy_loop_ms": round(busy, 4),
+        "cold_factor": round(asleep / hot, 2),
+        "cold_factor_busy": round(busy / hot, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=40, help="calls per session at 1 session")
@@ -227,6 +279,7 @@ def main() -> None:
         "target_p50_ms": 2.0,
         "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
+        "machine": machine_cold_factor(),
     }
     if args.engines in ("all", "tiny"):
         engine = EmbeddedEngine(model, model_name="tiny", max_batch_size=32, seed=0)
