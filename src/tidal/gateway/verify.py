@@ -20,8 +20,15 @@ Definitions (all counted over output tokens, i.e. tokens the engine sampled):
   record repeated by later calls of the session counts once).
 - `ok`: every model token is verbatim and the store's own integrity check passes.
 
-Deliberately simplified: the audit materialises each call's prompt from the ledger's
-prefix deltas (O(calls x prompt length) per session); fine for audits, not a hot path.
+How: the audit never materialises a prompt. Each session's calls go into the exact
+prefix trie of `tidal.tree.trie` (built from the ledger's prompt deltas, linear in the
+stored tokens), where every call's prompt and context end at a node end. "Context of R is
+a prefix of C's prompt" is then "R's context node lies on C's prompt path", a walk up
+the trie (a few nodes when C continues a recent call); a spliced turn's tokens are read
+from the nodes covering its offsets. So an audit costs about the stored tokens plus a
+walk per check, not calls x prompt length (`bench/verify.py`: a 500-call, 1M-token
+session). A session the trie cannot be rebuilt from (a broken prefix reference) is a
+problem, and none of its tokens count as verbatim.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np
 
 from tidal.gateway.drift import drift_key
 from tidal.ledger.store import LedgerStore
+from tidal.tree.trie import CallPlace, SessionTrie, TreeError, build_trie
 
 
 @dataclass(frozen=True)
@@ -57,77 +65,104 @@ class VerifyReport:
         }
 
 
-def _starts_with(a: np.ndarray, prefix: np.ndarray) -> bool:
-    n = int(prefix.shape[0])
-    return int(a.shape[0]) >= n and bool(np.array_equal(a[:n], prefix))
-
-
 def verify_store(store: LedgerStore) -> VerifyReport:
     problems = list(store.check())
     drift: Counter[str] = Counter()
     calls = model_tokens = verbatim = 0
     for sid in store.session_ids():
         log = store.call_log(sid)
-        order = [sc.call_id for sc in log.calls]
-        prompts = {cid: np.asarray(log.prompt_ids(cid)) for cid in order}
-        outputs = {sc.call_id: np.asarray(sc.call.output_ids) for sc in log.calls}
-        bad: set[str] = set()
-        seen_drift: set[tuple[Any, ...]] = set()
-        for pos, sc in enumerate(log.calls):
-            cid, meta = sc.call_id, sc.call.metadata
-            calls += 1
-            for d in meta.get("drift", []) if isinstance(meta, dict) else []:
-                key = drift_key(d)
-                if key not in seen_drift:  # one event, however many calls carried it
-                    seen_drift.add(key)
-                    drift[str(d.get("kind"))] += 1
-            prompt = prompts[cid]
-            tito = meta.get("tito") if isinstance(meta, dict) else None
-            earlier = order[:pos]
-            if isinstance(tito, dict):
-                for rid, _idx, off, n in tito.get("spliced", []):
-                    if rid not in outputs or rid not in earlier:
-                        problems.append(f"{sid}/{cid}: spliced turn {rid!r} is not an earlier call")
-                        continue
-                    if not np.array_equal(prompt[off : off + n], outputs[rid]):
-                        bad.add(rid)
-                        problems.append(
-                            f"{sid}/{cid}: the tokens at {off}..{off + n} differ from the "
-                            f"output of {rid!r} it claims to carry"
-                        )
-                cont = tito.get("continues")
-                if cont is not None and cont in outputs:
-                    ctx = np.concatenate([prompts[cont], outputs[cont]])
-                    if not _starts_with(prompt, ctx):
-                        bad.add(cont)
-                        problems.append(
-                            f"{sid}/{cid}: claims to continue {cont!r} but that call's context "
-                            "is not a prefix of its prompt"
-                        )
-                continue
-            # No gateway metadata: find the conversation this prompt extends.
-            best: list[str] = []
-            best_len = -1
-            for rid in earlier:
-                rp = prompts[rid]
-                plen = int(rp.shape[0])
-                if plen >= int(prompt.shape[0]) or plen < best_len:
-                    continue
-                if _starts_with(prompt, rp):
-                    if plen > best_len:
-                        best, best_len = [rid], plen
-                    else:
-                        best.append(rid)
-            if best and not any(_starts_with(prompt[best_len:], outputs[r]) for r in best):
-                bad.update(best)
-                problems.append(
-                    f"{sid}/{cid}: extends the prompt of {best[-1]!r} but carries none of the "
-                    "sampled continuations of that prompt (a re-rendered history)"
-                )
-        for sc in log.calls:
-            n = int(sc.call.output_ids.shape[0])
-            model_tokens += n
-            if sc.call_id not in bad:
-                verbatim += n
+        calls += len(log)
+        sizes = {sc.call_id: int(sc.call.output_ids.shape[0]) for sc in log.calls}
+        model_tokens += sum(sizes.values())
+        try:
+            trie = build_trie(sid, log.calls)
+        except TreeError as e:  # a broken prefix reference: no token of it is provable
+            problems.append(f"{sid}: cannot rebuild the session: {e}")
+            continue
+        bad = _audit_session(trie, drift, problems)
+        verbatim += sum(n for cid, n in sizes.items() if cid not in bad)
     ok = verbatim == model_tokens and not problems
     return VerifyReport(calls, model_tokens, verbatim, dict(sorted(drift.items())), ok, problems)
+
+
+def _audit_session(trie: SessionTrie, drift: Counter[str], problems: list[str]) -> set[str]:
+    """Check one session's calls in commit order; returns the ids of calls whose output
+    a later call does not carry unchanged (see the module docstring)."""
+    sid = trie.session_id
+    index = {p.call_id: p.index for p in trie.places}
+    bad: set[str] = set()
+    seen_drift: set[tuple[Any, ...]] = set()
+    prompt_ends: dict[int, list[int]] = {}  # node -> earlier calls whose prompt ends there
+    for pos, (sc, place) in enumerate(zip(trie.calls, trie.places, strict=True)):
+        cid, meta = sc.call_id, sc.call.metadata
+        for d in meta.get("drift", []) if isinstance(meta, dict) else []:
+            key = drift_key(d)
+            if key not in seen_drift:  # one event, however many calls carried it
+                seen_drift.add(key)
+                drift[str(d.get("kind"))] += 1
+        tito = meta.get("tito") if isinstance(meta, dict) else None
+        if isinstance(tito, dict):
+            for rid, _idx, off, n in tito.get("spliced", []):
+                r = index.get(rid)
+                if r is None or r >= pos:
+                    problems.append(f"{sid}/{cid}: spliced turn {rid!r} is not an earlier call")
+                    continue
+                carried = _path_slice(trie, place.prompt_end, off, min(off + n, place.prompt_len))
+                if not np.array_equal(carried, trie.calls[r].call.output_ids):
+                    bad.add(rid)
+                    problems.append(
+                        f"{sid}/{cid}: the tokens at {off}..{off + n} differ from the "
+                        f"output of {rid!r} it claims to carry"
+                    )
+            cont = tito.get("continues")
+            r = index.get(cont) if isinstance(cont, str) else None
+            if r is not None and not _context_prefixes(trie, r, place):
+                bad.add(str(cont))
+                problems.append(
+                    f"{sid}/{cid}: claims to continue {cont!r} but that call's context "
+                    "is not a prefix of its prompt"
+                )
+        else:
+            # No gateway metadata: the deepest earlier prompt that this one strictly
+            # extends; the calls that share it are the conversation this call continues.
+            best = _deepest_earlier_prompt(trie, place, prompt_ends)
+            if best and not any(_context_prefixes(trie, b, place) for b in best):
+                bad.update(trie.places[b].call_id for b in best)
+                problems.append(
+                    f"{sid}/{cid}: extends the prompt of {trie.places[best[-1]].call_id!r} but "
+                    "carries none of the sampled continuations of that prompt (a re-rendered "
+                    "history)"
+                )
+        prompt_ends.setdefault(place.prompt_end, []).append(pos)
+    return bad
+
+
+def _context_prefixes(trie: SessionTrie, r: int, place: CallPlace) -> bool:
+    """Is call `r`'s whole context (prompt + output) a prefix of `place`'s prompt?"""
+    rp = trie.places[r]
+    return rp.context_len <= place.prompt_len and trie.is_ancestor(
+        rp.context_end, place.prompt_end
+    )
+
+
+def _deepest_earlier_prompt(
+    trie: SessionTrie, place: CallPlace, prompt_ends: dict[int, list[int]]
+) -> list[int]:
+    """The earlier calls with the longest prompt that is a proper prefix of `place`'s."""
+    node = place.prompt_end
+    while node != -1:
+        node = trie.nodes[node].parent  # prompts ending at prompt_end itself are equal
+        if node in prompt_ends:
+            return prompt_ends[node]
+    return []
+
+
+def _path_slice(trie: SessionTrie, node: int, start: int, stop: int) -> np.ndarray:
+    """Tokens `start:stop` of the path from the root to the end of `node`."""
+    parts = []
+    while node != -1 and trie.nodes[node].end > start:
+        n = trie.nodes[node]
+        if n.depth < stop:
+            parts.append(n.token_ids[max(start, n.depth) - n.depth : min(stop, n.end) - n.depth])
+        node = n.parent
+    return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int32)
