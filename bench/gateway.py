@@ -96,10 +96,22 @@ class PacedEngine(InstantEngine):
 Sample = tuple[float, float, float]  # end-to-end, engine, in-process gateway (seconds)
 
 
+_FILLER = ("alpha", "beta", "gamma", "delta", "file", "src/main.py", "def", "return", "{", "\n")
+
+
 def run_session(
-    base: str, sid: str, n_calls: int, max_tokens: int, start_s: float = 0.0
+    base: str,
+    sid: str,
+    n_calls: int,
+    max_tokens: int,
+    *,
+    start_s: float = 0.0,
+    filler_words: int = 0,
 ) -> list[Sample]:
+    """One session of `n_calls` calls, each user message padded with `filler_words`
+    seeded words (a long history: what a tool-heavy agent sends back every call)."""
     time.sleep(start_s)
+    rng = np.random.default_rng(zlib.crc32(sid.encode()))
     out = []
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a bench agent."}]
     url = urlsplit(base)
@@ -108,7 +120,8 @@ def run_session(
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=300)
     try:
         for i in range(n_calls):
-            msgs.append({"role": "user", "content": f"step {i}: report status"})
+            filler = " ".join(rng.choice(_FILLER, filler_words)) if filler_words else ""
+            msgs.append({"role": "user", "content": f"step {i}: report status {filler}"})
             seed = (zlib.crc32(sid.encode()) + i) % 2**31
             body = {"model": "tiny", "messages": msgs, "max_tokens": max_tokens, "seed": seed}
             data = json.dumps(body).encode()
@@ -137,6 +150,7 @@ def client_load(
     max_tokens: int,
     *,
     stagger_s: float = 0.0,
+    filler_words: int = 0,
 ) -> tuple[list[Sample], float]:
     """Run `n_sessions` concurrent sessions (one thread each, session k starting k/n of
     `stagger_s` late) and return their samples and the wall time; runs in a child process
@@ -145,7 +159,13 @@ def client_load(
     with ThreadPoolExecutor(n_sessions) as pool:
         futs = [
             pool.submit(
-                run_session, base, f"{prefix}{k}", n_calls, max_tokens, stagger_s * k / n_sessions
+                run_session,
+                base,
+                f"{prefix}{k}",
+                n_calls,
+                max_tokens,
+                start_s=stagger_s * k / n_sessions,
+                filler_words=filler_words,
             )
             for k in range(n_sessions)
         ]
@@ -190,7 +210,8 @@ def measure(
         with GatewayServer(engine, tokenizer, store) as srv:
             ctx = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(1, mp_context=ctx) as clients:
-                load = partial(clients.submit, client_load, srv.base_url)
+                load = partial(clients.submit, client_load, srv.base_url,
+                               filler_words=args.filler_words)
                 load("warmup", 1, 3, args.max_tokens).result()
                 if one_session:
                     out["sessions_1"] = stats(load("one", 1, args.calls, args.max_tokens).result())
@@ -254,6 +275,12 @@ def main() -> None:
     ap.add_argument("--calls-concurrent", type=int, default=8, help="calls per session at 32")
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument(
+        "--filler-words",
+        type=int,
+        default=0,
+        help="words added to every user message (a long history: 400 words ~ 2.5 KB a turn)",
+    )
+    ap.add_argument(
         "--engines",
         choices=("all", "tiny", "instant", "paced"),
         default="all",
@@ -276,6 +303,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "bench": "gateway_added_latency",
         "max_tokens": args.max_tokens,
+        "filler_words": args.filler_words,
         "target_p50_ms": 2.0,
         "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),

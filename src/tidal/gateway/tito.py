@@ -158,9 +158,9 @@ class SessionTurns:
         best: Seen | None = None
         for s in kept:
             k = len(s.text)
-            # "[m0, m1]" vs "[m0, m1, m2]": equal up to "]", then the ", " of a next message
+            # "[m0,m1]" vs "[m0,m1,m2]": equal up to "]", then the "," of a next message
             if (
-                text == s.text or (text.startswith(s.text[:-1]) and text[k - 1 : k + 1] == ", ")
+                text == s.text or (text.startswith(s.text[:-1]) and text[k - 1 : k] == ",")
             ) and (best is None or k > len(best.text)):
                 best = s
         return best
