@@ -88,6 +88,36 @@ def test_processed_logprobs_reflect_temperature_top_k_top_p(engine: EmbeddedEngi
     assert float((plain - want).abs().max()) > 0.1
 
 
+def test_top_logprobs_are_the_processed_distributions_best(engine: EmbeddedEngine) -> None:
+    """`top_logprobs` lists the k most likely tokens of the distribution sampled from, at
+    every position; tokens that top-k cut away are not alternatives."""
+    prompt = PROMPTS[0]
+    for params, kept in (
+        (SamplingParams(max_tokens=6, temperature=0.8, top_logprobs=5, seed=4), 5),
+        (SamplingParams(max_tokens=6, top_k=3, top_logprobs=8, seed=4), 3),
+    ):
+        gen = engine.generate([prompt], params)[0]
+        assert gen.top_logprobs is not None and len(gen.top_logprobs) == len(gen.output_ids)
+        ids = torch.tensor([prompt + gen.output_ids.tolist()])
+        with torch.inference_mode():
+            logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        n = len(gen.output_ids)
+        lp = processed_logprobs(
+            logits,
+            torch.full((n,), params.temperature),
+            torch.full((n,), params.top_k, dtype=torch.long),
+            torch.full((n,), params.top_p),
+        )
+        for pos, alts in enumerate(gen.top_logprobs):
+            assert len(alts) == kept
+            want_lp, want_ids = lp[pos].topk(kept)
+            assert [t for t, _ in alts] == want_ids.tolist()
+            np.testing.assert_allclose([v for _, v in alts], want_lp.numpy(), atol=ATOL, rtol=0)
+            assert int(gen.output_ids[pos]) in [t for t, _ in alts] or kept == 5
+    plain = engine.generate([prompt], SamplingParams(max_tokens=3, seed=4))[0]
+    assert plain.top_logprobs is None
+
+
 def test_processed_logprobs_by_hand() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
     lp = processed_logprobs(

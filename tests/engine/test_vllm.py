@@ -151,6 +151,16 @@ def test_token_ids_and_logprobs_match_transformers(
                 assert gen.policy_version == 0
                 want = reference_logprobs(reference.model, prompt, gen.output_ids.tolist(), params)
                 np.testing.assert_allclose(gen.logprobs, want, atol=ATOL, rtol=0)
+        top = SamplingParams(max_tokens=6, seed=3, top_logprobs=4)
+        gen = eng.generate(PROMPTS[:1], top)[0]
+        assert gen.top_logprobs is not None and len(gen.top_logprobs) == 6
+        ids = torch.tensor([PROMPTS[0] + gen.output_ids.tolist()])
+        with torch.inference_mode():
+            lp = reference.model(input_ids=ids).logits[0, len(PROMPTS[0]) - 1 : -1].float()
+        for pos, alts in enumerate(gen.top_logprobs):  # plain sampling: the log-softmax's best
+            want_lp, want_ids = lp[pos].log_softmax(-1).topk(4)
+            assert [t for t, _ in alts] == want_ids.tolist()
+            np.testing.assert_allclose([v for _, v in alts], want_lp.numpy(), atol=ATOL, rtol=0)
         greedy = SamplingParams(max_tokens=8, temperature=0.0)
         for a, b in zip(
             eng.generate(PROMPTS, greedy), reference.generate(PROMPTS, greedy), strict=True

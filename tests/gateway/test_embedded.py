@@ -66,6 +66,37 @@ def test_streaming_matches_ledger(live: GatewayServer) -> None:
     assert call.finish_reason in ("stop", "length")
 
 
+def test_top_logprobs_over_http(live: GatewayServer) -> None:
+    """The stock client gets OpenAI's `top_logprobs`: k alternatives per token, most
+    likely first, the same in a stream; asking without `logprobs` is a clear error."""
+    client = openai.OpenAI(base_url=live.session_url("top"), api_key="x", max_retries=0)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+           "seed": 7, "logprobs": True, "top_logprobs": 3}
+    r = client.chat.completions.create(**ask)
+    entries = r.choices[0].logprobs.content
+    assert entries and all(len(e.top_logprobs) == 3 for e in entries)
+    for e in entries:
+        values = [a.logprob for a in e.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] >= e.logprob - 1e-5
+        assert all(bytes(a.bytes) == a.token.encode() for a in e.top_logprobs)
+        if e.token in [a.token for a in e.top_logprobs]:
+            assert any(abs(a.logprob - e.logprob) < 1e-5 for a in e.top_logprobs)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [[a.token for a in e.top_logprobs] for e in streamed] == [
+        [a.token for a in e.top_logprobs] for e in entries
+    ]  # same seed, same tokens
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(**{**ask, "logprobs": False})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs must be in"):
+        client.chat.completions.create(**{**ask, "top_logprobs": 21})
+    c = client.completions.create(model="tiny", prompt="hi", max_tokens=4, seed=7, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None
+    assert len(lp.top_logprobs) == len(lp.tokens) and all(len(d) <= 2 for d in lp.top_logprobs)
+
+
 def test_64_sessions_x_20_calls(live: GatewayServer) -> None:
     """Each session runs 4 conversations of 5 turns (so prompts stay short on 2 CPU
     cores); every turn after a conversation's first goes through the TITO splice."""

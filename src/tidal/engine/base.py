@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions
+
 
 class EngineError(RuntimeError):
     """The engine could not serve a request (bad parameters, context too long, ...)."""
@@ -28,6 +30,7 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_logprobs: int = 0  # alternatives to report per sampled token (0-20); not sampling
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,17 +41,28 @@ class SamplingParams:
             raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise EngineError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+
+
+TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]
+"""Per output position, up to `SamplingParams.top_logprobs` (token id, logprob) pairs of the
+distribution sampled from, most likely first; tokens it gives no probability are left out."""
 
 
 @dataclass(frozen=True, eq=False)
 class Generation:
-    """One sampled continuation. `logprobs[i]` is the log-probability of `output_ids[i]`."""
+    """One sampled continuation. `logprobs[i]` is the log-probability of `output_ids[i]`;
+    `top_logprobs[i]` the most likely alternatives there (None unless asked for)."""
 
     output_ids: npt.NDArray[np.int32]
     logprobs: npt.NDArray[np.float32]
     finish_reason: str  # "stop" (a stop token was sampled; it is included) or "length"
     policy_version: int
     extra: dict[str, float] = field(default_factory=dict)
+    top_logprobs: TopLogprobs | None = None
 
 
 @runtime_checkable

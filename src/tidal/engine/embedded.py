@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from tidal.engine.base import EngineError, Generation, SamplingParams, mix_seed
+from tidal.engine.base import EngineError, Generation, SamplingParams, TopLogprobs, mix_seed
 from tidal.engine.sampling import processed_logprobs, sample_tokens
 from tidal.engine.tiny import resolve_model
 
@@ -67,6 +67,7 @@ class SequenceResult:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    top_logprobs: TopLogprobs | None = None
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -150,7 +151,9 @@ class DecodeBatch:
             gen = torch.Generator(device=self._device)
             gen.manual_seed(r.seed)
             budget = min(r.params.max_tokens, self._max_context - len(r.prompt))
-            rows.append(_Row(tag, gen, frozenset(r.params.stop_token_ids), budget))
+            rows.append(
+                _Row(tag, gen, frozenset(r.params.stop_token_ids), budget, r.params.top_logprobs)
+            )
         temperature = torch.tensor([r.params.temperature for r in requests], device=self._device)
         top_k = torch.tensor([r.params.top_k for r in requests], device=self._device)
         top_p = torch.tensor([r.params.top_p for r in requests], device=self._device)
@@ -217,10 +220,15 @@ class DecodeBatch:
         tokens = sample_tokens(lp, temperature <= 0, [self._rows[i].generator for i in rows])
         token_lp = lp.gather(-1, tokens[:, None])[:, 0]
         self._last[sel] = tokens
-        for i, tok, tok_lp in zip(rows, tokens.tolist(), token_lp.tolist(), strict=True):
+        n_top = max(self._rows[i].n_top for i in rows)
+        tops = _top_pairs(lp, n_top) if n_top else [[] for _ in rows]
+        for i, tok, tok_lp, top in zip(rows, tokens.tolist(), token_lp.tolist(), tops,
+                                       strict=True):
             row = self._rows[i]
             row.output_ids.append(tok)
             row.logprobs.append(tok_lp)
+            if row.n_top:  # tokens outside top-k / top-p have -inf: not alternatives
+                row.top.append(tuple(p for p in top[: row.n_top] if p[1] != float("-inf")))
             if tok in row.stops:
                 row.finish = "stop"
             elif len(row.output_ids) >= row.budget:
@@ -234,7 +242,8 @@ class DecodeBatch:
             return
         for row in self._rows:
             if row.finish is not None:
-                result = SequenceResult(row.output_ids, row.logprobs, row.finish)
+                top = tuple(row.top) if row.n_top else None
+                result = SequenceResult(row.output_ids, row.logprobs, row.finish, top)
                 self._finished.append((row.tag, result))
         if not keep:
             finished = self._finished
@@ -288,14 +297,23 @@ class DecodeBatch:
         )
 
 
+def _top_pairs(lp: Any, k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely (token id, logprob) pairs of each row of `lp` [B, V]."""
+    values, ids = lp.topk(k, dim=-1)
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                          strict=True)]
+
+
 @dataclass
 class _Row:
     tag: Any
     generator: Any
     stops: frozenset[int]
     budget: int
+    n_top: int = 0  # alternatives to keep per token (SamplingParams.top_logprobs)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish: str | None = None
 
 
@@ -450,6 +468,7 @@ class EmbeddedEngine:
                     finish_reason=res.finish_reason,
                     policy_version=version,
                     extra={"batch_size": float(batch)},
+                    top_logprobs=res.top_logprobs,
                 )
             )
         return results

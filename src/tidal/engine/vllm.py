@@ -32,6 +32,7 @@ no retries (a failed request raises `EngineError`).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from tidal.engine.base import EngineError, Generation, SamplingParams, mix_seed
+from tidal.engine.base import EngineError, Generation, SamplingParams, TopLogprobs, mix_seed
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
@@ -117,8 +118,9 @@ class VLLMEngine:
                 logprobs=np.asarray(lps, dtype=np.float32),
                 finish_reason=reason,
                 policy_version=version,
+                top_logprobs=top if params.top_logprobs else None,
             )
-            for ids, lps, reason in results
+            for ids, lps, reason, top in results
         ]
 
     def update_weights(self, source: str | Path, version: int) -> None:
@@ -207,7 +209,7 @@ class VLLMEngine:
             "presence_penalty": 0.0,
             "stop_token_ids": list(params.stop_token_ids),
             "ignore_eos": True,
-            "logprobs": 0,
+            "logprobs": params.top_logprobs,  # the sampled token's logprob comes regardless
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
@@ -216,7 +218,7 @@ class VLLMEngine:
             body["seed"] = mix_seed(params.seed, index)
         return body
 
-    def _complete(self, body: dict[str, Any]) -> tuple[list[int], list[float], str]:
+    def _complete(self, body: dict[str, Any]) -> tuple[list[int], list[float], str, TopLogprobs]:
         resp = self._post("/v1/completions", json=body, what="generate")
         choice = resp.json()["choices"][0]
         ids = choice.get("token_ids")
@@ -230,7 +232,8 @@ class VLLMEngine:
         reason = choice.get("finish_reason")
         if reason not in ("stop", "length"):
             raise EngineError(f"vLLM finish_reason {reason!r} (expected stop or length)")
-        return [int(i) for i in ids], [float(x) for x in lps], str(reason)
+        top = _top_logprobs(choice["logprobs"].get("top_logprobs"), body["logprobs"], len(ids))
+        return [int(i) for i in ids], [float(x) for x in lps], str(reason), top
 
     def _post(
         self,
@@ -254,3 +257,21 @@ class VLLMEngine:
                 f"vLLM at {self._base}: cannot {what}: HTTP {resp.status_code}: {resp.text[:500]}"
             )
         return resp
+
+
+def _top_logprobs(raw: Any, k: int, n: int) -> TopLogprobs:
+    """vLLM's per-position `{"token_id:ID": logprob}` maps (the sampled token is added when
+    it is not among the k) -> up to k (id, logprob) pairs, most likely first, leaving out
+    tokens the sampled-from distribution gives no probability."""
+    if k == 0:
+        return ()
+    if not isinstance(raw, list) or len(raw) != n:
+        raise EngineError(f"vLLM returned no top logprobs for {n} tokens (asked for {k})")
+    out = []
+    for pos in raw:
+        pairs = sorted(
+            ((int(t.split(":", 1)[1]), float(v)) for t, v in (pos or {}).items()),
+            key=lambda p: -p[1],
+        )
+        out.append(tuple(p for p in pairs[:k] if math.isfinite(p[1]) and p[1] > -9999.0))
+    return tuple(out)

@@ -13,9 +13,10 @@ or produced one of its assistant turns, else starts a fresh `auto-...` session.
 
 Deliberately simplified: `n` must be 1; stop strings are refused (only the family's stop
 tokens end a turn, so the recorded output is exactly what was sampled); `top_logprobs`
-is accepted but answered with empty lists (engines return the sampled token's logprob
-only); `tool_choice` "required" or a named function is recorded and passed to nothing
-(no constrained decoding): the model may still answer in prose. The policy version is the
+(up to 20) lists the alternatives of the distribution sampled from, and the ledger keeps
+only the sampled token's logprob; `tool_choice` "required" or a named function is
+recorded and passed to nothing (no constrained decoding): the model may still answer in
+prose. The policy version is the
 engine's (bumped by `Engine.update_weights`) and is taken from each generation.
 """
 
@@ -182,7 +183,9 @@ class Gateway:
                 status=404,
             )
 
-    def _sampling(self, body: Mapping[str, Any], prompt_len: int) -> SamplingParams:
+    def _sampling(
+        self, body: Mapping[str, Any], prompt_len: int, top_logprobs: int = 0
+    ) -> SamplingParams:
         if _int(body, "n", 1, 1) != 1:
             raise RequestError(
                 "n must be 1: each choice is its own recorded call; send several requests",
@@ -216,6 +219,7 @@ class Gateway:
                 top_k=_int(body, "top_k", 0, 0) or 0,
                 stop_token_ids=self.renderer.stop_ids,
                 seed=seed,
+                top_logprobs=top_logprobs,
             )
         except EngineError as e:
             raise RequestError(str(e), param="sampling") from e
@@ -266,6 +270,19 @@ class Gateway:
                 s = self._token_text[i] = self.renderer.decode([i])
             out.append(s)
         return tuple(out)
+
+    def _tops(self, gen: Generation) -> list[list[dict[str, Any]]]:
+        """`gen.top_logprobs` as OpenAI's alternatives per token (empty lists when none)."""
+        if gen.top_logprobs is None:
+            return [[] for _ in range(int(gen.output_ids.shape[0]))]
+        out = []
+        for alts in gen.top_logprobs:
+            texts = self.token_texts(np.asarray([t for t, _ in alts], dtype=np.int64))
+            out.append([
+                {"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8"))}
+                for s, (_, v) in zip(texts, alts, strict=True)
+            ])
+        return out
 
     def _generate(self, prompt: np.ndarray, params: SamplingParams) -> tuple[Generation, float]:
         t0 = time.perf_counter()
@@ -324,7 +341,9 @@ class Gateway:
                 param="tool_choice",
             )
         want_logprobs = bool(body.get("logprobs"))
-        _int(body, "top_logprobs", 0, 0)
+        n_top = _int(body, "top_logprobs", 0, 0) or 0
+        if n_top and not want_logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         keys = (
             [
                 turn_key(m.content, [(c.name, c.arguments) for c in m.tool_calls])
@@ -348,7 +367,7 @@ class Gateway:
             plan = assemble_prompt(messages, tools, turns, self.renderer, text=text, base=base)
         except GatewayError as e:
             raise RequestError(str(e), param="messages", code="template_error") from e
-        params = self._sampling(body, int(plan.prompt_ids.shape[0]))
+        params = self._sampling(body, int(plan.prompt_ids.shape[0]), n_top)
         gen, engine_s = self._generate(plan.prompt_ids, params)
 
         out_ids = gen.output_ids
@@ -438,7 +457,7 @@ class Gateway:
                     "index": 0,
                     "message": msg,
                     "finish_reason": finish,
-                    "logprobs": {"content": _lp_entries(texts, gen.logprobs)}
+                    "logprobs": {"content": _lp_entries(texts, gen.logprobs, self._tops(gen))}
                     if want_logprobs
                     else None,
                 }
@@ -484,7 +503,7 @@ class Gateway:
         lp = _int(body, "logprobs", None, 0)
         session_id = route.session_id or f"auto-{uuid.uuid4().hex[:16]}"
         parent_call, parent_session = self._parent(route, session_id)
-        params = self._sampling(body, int(ids.shape[0]))
+        params = self._sampling(body, int(ids.shape[0]), lp or 0)
         gen, engine_s = self._generate(ids, params)
         out_ids = gen.output_ids
         text = self.renderer.decode(out_ids.tolist())
@@ -520,7 +539,8 @@ class Gateway:
             logprobs = {
                 "tokens": list(texts),
                 "token_logprobs": [float(x) for x in gen.logprobs],
-                "top_logprobs": None,
+                "top_logprobs": [{e["token"]: e["logprob"] for e in alts}
+                                 for alts in self._tops(gen)] if lp else None,
                 "text_offset": offsets,
             }
         n_prompt, n_out = int(ids.shape[0]), int(out_ids.shape[0])
@@ -572,8 +592,10 @@ def _tidal_block(session_id: str, call_id: str, gen: Generation) -> dict[str, An
     }
 
 
-def _lp_entries(texts: tuple[str, ...], logprobs: np.ndarray) -> list[dict[str, Any]]:
+def _lp_entries(
+    texts: tuple[str, ...], logprobs: np.ndarray, tops: list[list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
     return [
-        {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-        for s, lp in zip(texts, logprobs.tolist(), strict=True)
+        {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": top}
+        for s, lp, top in zip(texts, logprobs.tolist(), tops, strict=True)
     ]
