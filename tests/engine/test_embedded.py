@@ -47,6 +47,23 @@ def forward_logprobs(eng: EmbeddedEngine, prompt: list[int], output: list[int]) 
     return lp.gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
+def processed_reference(
+    eng: EmbeddedEngine, prompt: list[int], output: list[int], params: SamplingParams
+) -> torch.Tensor:
+    """[len(output), V]: the distribution `params` samples from at each output position,
+    from one full forward."""
+    ids = torch.tensor([prompt + output])
+    with torch.inference_mode():
+        logits = eng.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    n = len(output)
+    return processed_logprobs(
+        logits,
+        torch.full((n,), params.temperature),
+        torch.full((n,), params.top_k, dtype=torch.long),
+        torch.full((n,), params.top_p),
+    )
+
+
 def test_is_an_engine(engine: EmbeddedEngine) -> None:
     assert isinstance(engine, Engine)
     assert engine.max_context == 32768
@@ -68,16 +85,7 @@ def test_processed_logprobs_reflect_temperature_top_k_top_p(engine: EmbeddedEngi
     params = SamplingParams(max_tokens=8, temperature=0.7, top_k=40, top_p=0.9, seed=5)
     prompt = PROMPTS[0]
     gen = engine.generate([prompt], params)[0]
-    ids = torch.tensor([prompt + gen.output_ids.tolist()])
-    with torch.inference_mode():
-        logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    n = len(gen.output_ids)
-    lp = processed_logprobs(
-        logits,
-        torch.full((n,), 0.7),
-        torch.full((n,), 40, dtype=torch.long),
-        torch.full((n,), 0.9),
-    )
+    lp = processed_reference(engine, prompt, gen.output_ids.tolist(), params)
     want = lp.gather(-1, torch.tensor(gen.output_ids.tolist())[:, None])[:, 0]
     np.testing.assert_allclose(gen.logprobs, want.numpy(), atol=ATOL, rtol=0)
     # Every sampled token is inside the kept set, and the processed distribution is not
@@ -98,16 +106,7 @@ def test_top_logprobs_are_the_processed_distributions_best(engine: EmbeddedEngin
     ):
         gen = engine.generate([prompt], params)[0]
         assert gen.top_logprobs is not None and len(gen.top_logprobs) == len(gen.output_ids)
-        ids = torch.tensor([prompt + gen.output_ids.tolist()])
-        with torch.inference_mode():
-            logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        n = len(gen.output_ids)
-        lp = processed_logprobs(
-            logits,
-            torch.full((n,), params.temperature),
-            torch.full((n,), params.top_k, dtype=torch.long),
-            torch.full((n,), params.top_p),
-        )
+        lp = processed_reference(engine, prompt, gen.output_ids.tolist(), params)
         for pos, alts in enumerate(gen.top_logprobs):
             assert len(alts) == kept
             want_lp, want_ids = lp[pos].topk(kept)
