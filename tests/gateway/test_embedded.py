@@ -95,6 +95,11 @@ def test_top_logprobs_over_http(live: GatewayServer) -> None:
     lp = c.choices[0].logprobs
     assert lp is not None and lp.top_logprobs is not None
     assert len(lp.top_logprobs) == len(lp.tokens) and all(len(d) <= 2 for d in lp.top_logprobs)
+    parts = list(client.completions.create(model="tiny", prompt="hi", max_tokens=4, seed=7,
+                                           logprobs=2, stream=True))
+    per_chunk = [ch.choices[0].logprobs for ch in parts if ch.choices and ch.choices[0].logprobs]
+    assert [x.token_logprobs[0] for x in per_chunk] == lp.token_logprobs
+    assert [x.top_logprobs[0] for x in per_chunk] == lp.top_logprobs
 
 
 def test_64_sessions_x_20_calls(live: GatewayServer) -> None:

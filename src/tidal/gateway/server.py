@@ -176,9 +176,16 @@ def completion_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
         "created": b["created"],
         "model": b["model"],
     }
-    for t in ans.token_texts:
+    lps = choice.get("logprobs")  # per token when asked, as in the non-streamed answer
+    for k, t in enumerate(ans.token_texts):
+        lp = None if lps is None else {
+            "tokens": [t],
+            "token_logprobs": [lps["token_logprobs"][k]],
+            "top_logprobs": None if lps["top_logprobs"] is None else [lps["top_logprobs"][k]],
+            "text_offset": [lps["text_offset"][k]],
+        }
         yield _sse(
-            {**base, "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": None}]}
+            {**base, "choices": [{"index": 0, "text": t, "logprobs": lp, "finish_reason": None}]}
         )
     yield _sse(
         {
