@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.engine.reference import processed_distribution
 from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
 from tidal.engine.embedded import (
     DecodeBatch,
@@ -47,23 +48,6 @@ def forward_logprobs(eng: EmbeddedEngine, prompt: list[int], output: list[int]) 
     return lp.gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
-def processed_reference(
-    eng: EmbeddedEngine, prompt: list[int], output: list[int], params: SamplingParams
-) -> torch.Tensor:
-    """[len(output), V]: the distribution `params` samples from at each output position,
-    from one full forward."""
-    ids = torch.tensor([prompt + output])
-    with torch.inference_mode():
-        logits = eng.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    n = len(output)
-    return processed_logprobs(
-        logits,
-        torch.full((n,), params.temperature),
-        torch.full((n,), params.top_k, dtype=torch.long),
-        torch.full((n,), params.top_p),
-    )
-
-
 def test_is_an_engine(engine: EmbeddedEngine) -> None:
     assert isinstance(engine, Engine)
     assert engine.max_context == 32768
@@ -85,7 +69,7 @@ def test_processed_logprobs_reflect_temperature_top_k_top_p(engine: EmbeddedEngi
     params = SamplingParams(max_tokens=8, temperature=0.7, top_k=40, top_p=0.9, seed=5)
     prompt = PROMPTS[0]
     gen = engine.generate([prompt], params)[0]
-    lp = processed_reference(engine, prompt, gen.output_ids.tolist(), params)
+    lp = processed_distribution(engine.model, prompt, gen.output_ids.tolist(), params)
     want = lp.gather(-1, torch.tensor(gen.output_ids.tolist())[:, None])[:, 0]
     np.testing.assert_allclose(gen.logprobs, want.numpy(), atol=ATOL, rtol=0)
     # Every sampled token is inside the kept set, and the processed distribution is not
@@ -106,7 +90,7 @@ def test_top_logprobs_are_the_processed_distributions_best(engine: EmbeddedEngin
     ):
         gen = engine.generate([prompt], params)[0]
         assert gen.top_logprobs is not None and len(gen.top_logprobs) == len(gen.output_ids)
-        lp = processed_reference(engine, prompt, gen.output_ids.tolist(), params)
+        lp = processed_distribution(engine.model, prompt, gen.output_ids.tolist(), params)
         for pos, alts in enumerate(gen.top_logprobs):
             assert len(alts) == kept
             want_lp, want_ids = lp[pos].topk(kept)

@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.engine.reference import processed_distribution
 from tidal.engine.base import Engine, EngineError, SamplingParams
 from tidal.engine.embedded import EmbeddedEngine
-from tidal.engine.sampling import processed_logprobs
 from tidal.engine.vllm import VLLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,16 +113,7 @@ def reference(tiny_dir: Path) -> Iterator[EmbeddedEngine]:
 def reference_logprobs(
     model: torch.nn.Module, prompt: list[int], output: list[int], params: SamplingParams
 ) -> np.ndarray:
-    ids = torch.tensor([prompt + output])
-    with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    n = len(output)
-    lp = processed_logprobs(
-        logits,
-        torch.full((n,), params.temperature),
-        torch.full((n,), params.top_k, dtype=torch.long),
-        torch.full((n,), params.top_p),
-    )
+    lp = processed_distribution(model, prompt, output, params)
     return lp.gather(-1, torch.tensor(output)[:, None])[:, 0].numpy()
 
 
@@ -154,11 +145,9 @@ def test_token_ids_and_logprobs_match_transformers(
         top = SamplingParams(max_tokens=6, seed=3, top_logprobs=4)
         gen = eng.generate(PROMPTS[:1], top)[0]
         assert gen.top_logprobs is not None and len(gen.top_logprobs) == 6
-        ids = torch.tensor([PROMPTS[0] + gen.output_ids.tolist()])
-        with torch.inference_mode():
-            lp = reference.model(input_ids=ids).logits[0, len(PROMPTS[0]) - 1 : -1].float()
+        lp = processed_distribution(reference.model, PROMPTS[0], gen.output_ids.tolist(), top)
         for pos, alts in enumerate(gen.top_logprobs):  # plain sampling: the log-softmax's best
-            want_lp, want_ids = lp[pos].log_softmax(-1).topk(4)
+            want_lp, want_ids = lp[pos].topk(4)
             assert [t for t, _ in alts] == want_ids.tolist()
             np.testing.assert_allclose([v for _, v in alts], want_lp.numpy(), atol=ATOL, rtol=0)
         greedy = SamplingParams(max_tokens=8, temperature=0.0)

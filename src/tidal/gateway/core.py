@@ -16,8 +16,8 @@ tokens end a turn, so the recorded output is exactly what was sampled); `top_log
 (up to 20) lists the alternatives of the distribution sampled from, and the ledger keeps
 only the sampled token's logprob; `tool_choice` "required" or a named function is
 recorded and passed to nothing (no constrained decoding): the model may still answer in
-prose. The policy version is the
-engine's (bumped by `Engine.update_weights`) and is taken from each generation.
+prose. The policy version is the engine's (bumped by `Engine.update_weights`) and is
+taken from each generation.
 """
 
 from __future__ import annotations
