@@ -8,6 +8,7 @@ import pytest
 
 from tidal.agent.runtime import LocalDirRuntime
 from tidal.agent.tasks import (
+    TEACHERS,
     FileContains,
     FileEquals,
     FileExists,
@@ -15,10 +16,12 @@ from tidal.agent.tasks import (
     TaskError,
     demonstrations,
     digits_taskset,
+    files_taskset,
     grade,
     load_taskset,
     many_files_task,
     prepare,
+    taught,
     tools_taskset,
 )
 from tidal.agent.tools import ALL_TOOLS, format_tool_call_text, tool_schemas
@@ -68,6 +71,7 @@ def test_grade_gives_partial_credit_from_the_files(runtime: LocalDirRuntime) -> 
         "log.txt contains 'ok'": False,
         "missing.txt exists": False,
     }
+    assert g.by_kind == {"exists": 0.5, "equals": 0.0, "contains": 0.0}
     runtime.write_file("a.txt", " 42\n")  # surrounding whitespace is ignored
     runtime.write_file("log.txt", "all ok")
     assert grade(task, runtime).reward == 0.75
@@ -76,6 +80,7 @@ def test_grade_gives_partial_credit_from_the_files(runtime: LocalDirRuntime) -> 
     # an agent that never called finish keeps its files' credit but does not succeed
     g = grade(task, runtime, finished=False)
     assert g.reward == 0.8 and not g.success and g.details["called finish"] is False
+    assert g.by_kind == {"exists": 1.0, "equals": 1.0, "contains": 1.0, "finished": 0.0}
     assert grade(task, runtime, finished=True).success
 
 
@@ -186,3 +191,37 @@ def test_default_and_mixed_sets() -> None:
     families = {t.family for t in mixed.train}
     assert families == {"file", "bash", "subagent", "steps"}
     assert {t.family for t in mixed.heldout} == {"file"}
+
+
+def test_mixed_teacher_adds_a_sloppy_solution_the_grader_rejects(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`mixed` demonstrates each task twice; the second writes "7." for "7", which
+    earns the partial credit of a file that exists with the wrong text."""
+    tasks = list(files_taskset().train[:3])
+    assert taught(tasks, "exact") == tasks
+    mixed = taught(tasks, "mixed")
+    assert mixed[:3] == tasks and len(mixed) == 6
+    for i, (task, sloppy) in enumerate(zip(tasks, mixed[3:], strict=True)):
+        assert sloppy.prompt == task.prompt and sloppy.checks == task.checks
+        want = task.checks[1].expected  # type: ignore[union-attr]
+        writes = [
+            call["function"]["arguments"]
+            for msg in demonstrations(sloppy)[0].messages
+            for call in msg.get("tool_calls", [])
+            if call["function"]["name"] == "write_file"
+        ]
+        assert [w["content"] for w in writes] == [want + "."]
+        (tmp_path / f"r{i}").mkdir()
+        rt = LocalDirRuntime(tmp_path / f"r{i}")
+        rt.write_file(writes[0]["path"], writes[0]["content"])
+        assert grade(task, rt, finished=True).reward == pytest.approx(2 / 3)
+    with pytest.raises(TaskError, match="unknown teacher 'lazy'"):
+        taught(tasks, "lazy")
+
+
+def test_config_teachers_are_the_task_module_teachers() -> None:
+    from typing import get_args
+
+    from tidal.run.config import WarmstartConfig
+
+    annotation = WarmstartConfig.model_fields["teacher"].annotation
+    assert get_args(annotation) == TEACHERS

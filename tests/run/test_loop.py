@@ -30,7 +30,9 @@ SMALL = {
     "rollout": {"group_size": 2, "tasks_per_step": 3, "max_turns": 4,
                 "max_tokens": 64, "context_budget": 64, "temperature": 0.2,
                 "tools": ["bash", "read_file", "write_file", "spawn_subagent", "finish"]},
-    "warmstart": {"steps": 30, "batch_size": 4, "lr": 0.003},
+    # the exact teacher: the sloppy copies of `mixed` would halve each demonstration's
+    # share of these 30 steps (the other tests here run the default, mixed)
+    "warmstart": {"steps": 30, "batch_size": 4, "lr": 0.003, "teacher": "exact"},
     "rl": {"steps": 2, "max_tokens_per_stream": 2048},
     "schedule": {"policy": "colocated", "devices": 2, "groups_per_device": 1},
     "eval": {"every": 5},
@@ -66,10 +68,14 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
     assert 0.0 < sched["device_utilization"] <= 1.0
     assert all(r["staleness"] == [0, 0, 0] for r in rl)
     assert {r["phase"] for r in rows} == {"warmstart", "eval", "rl"}
+    for r in (r for r in rows if r["phase"] == "eval"):  # what held-out episodes got right
+        assert set(r["checks"]) == {"exists", "equals", "finished"}, r["checks"]
+        assert all(0.0 <= v <= 1.0 for v in r["checks"].values())
     assert (out / "tb").is_dir() and (out / "summary.json").exists()
     assert list((out / "trees").glob("*.html")), "no sample tree pages for the report"
     page = render_report(out)
     assert page.count("<svg") >= 3 and 'href="trees/' in page
+    assert "check: equals" in page  # the held-out chart draws each kind of check
     with LedgerStore(out / "ledger.db", readonly=True) as store:
         assert store.check() == []
         infos = store.sessions()

@@ -6,7 +6,8 @@
 - `ToolRuntime` / `LocalDirRuntime` (runtime.py): what the harness needs from an
   environment, and an unisolated local stand-in for tests and demos.
 - `endpoint.py`: the session URL and headers (the only wire format the gateway needs).
-- `tasks.py`: task sets (`load_taskset`), `grade` (partial credit), `demonstrations`.
+- `tasks.py`: task sets (`load_taskset`), `grade` (partial credit), `demonstrations`
+  (and `taught`: which solutions the warm start imitates).
 """
 
 from tidal.agent.endpoint import SpawnLink, new_session_id, request_headers, session_base_url
@@ -24,6 +25,7 @@ from tidal.agent.tasks import (
     grade,
     load_taskset,
     prepare,
+    taught,
 )
 from tidal.agent.tools import ALL_TOOLS, format_tool_call_text, tool_schemas
 
@@ -54,5 +56,6 @@ __all__ = [
     "run_agent",
     "run_episode",
     "session_base_url",
+    "taught",
     "tool_schemas",
 ]

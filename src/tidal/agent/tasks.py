@@ -29,6 +29,12 @@ Built-in sets (`load_taskset(name)`):
   exist to run every code path end to end, and for real models.
 - `mixed`: `files` with the `tools` tasks added to training (held-out is `files`).
 
+Teachers (`taught`): the warm start imitates the tasks' solutions as given (`exact`),
+or (`mixed`, the default of `tidal run`) also a sloppy copy of each whose written files
+end with a period. The sloppy copy leaves the warm-started model a habit that costs
+reward on every task alike, so that RL has a decision to learn that transfers to
+held-out tasks; on `files` with the exact teacher alone, RL gains little (docs/agent.md).
+
 Deliberately simplified:
 - Checks are file checks (exists / equals after stripping surrounding whitespace /
   contains), plus, for episodes run by the harness, whether the agent called `finish`
@@ -44,9 +50,9 @@ from __future__ import annotations
 import random
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tidal.agent.runtime import LocalDirRuntime, ToolRuntime
 from tidal.agent.tools import (
@@ -73,6 +79,7 @@ class TaskError(ValueError):
 @dataclass(frozen=True)
 class FileExists:
     path: str
+    kind: ClassVar[str] = "exists"
 
     def describe(self) -> str:
         return f"{self.path} exists"
@@ -84,6 +91,7 @@ class FileEquals:
 
     path: str
     expected: str
+    kind: ClassVar[str] = "equals"
 
     def describe(self) -> str:
         return f"{self.path} == {self.expected!r}"
@@ -93,6 +101,7 @@ class FileEquals:
 class FileContains:
     path: str
     substring: str
+    kind: ClassVar[str] = "contains"
 
     def describe(self) -> str:
         return f"{self.path} contains {self.substring!r}"
@@ -145,11 +154,14 @@ class TaskSet:
 
 @dataclass(frozen=True)
 class Grade:
-    """reward = partial_score = fraction of checks passed; details: check -> passed."""
+    """reward = partial_score = fraction of checks passed; details: check -> passed;
+    by_kind: fraction passed of each kind of check (exists, equals, contains, finished),
+    which says across tasks what an agent gets right and what it misses."""
 
     reward: float
     partial_score: float
     details: dict[str, bool]
+    by_kind: dict[str, float] = field(default_factory=dict)
 
     @property
     def success(self) -> bool:
@@ -187,11 +199,20 @@ def grade(task: Task, runtime: ToolRuntime, *, finished: bool | None = None) -> 
     """Grade an episode by the files in its runtime; with `finished` (did the agent end
     the session by calling finish?), that is one more check. Without it, a policy loses
     nothing by never finishing, and RL learns to let sessions run out of turns."""
-    details = {c.describe(): check_passes(c, runtime) for c in task.checks}
+    passed = [(c.kind, c.describe(), check_passes(c, runtime)) for c in task.checks]
     if finished is not None:
-        details[FINISHED] = finished
+        passed.append(("finished", FINISHED, finished))
+    details = {name: ok for _, name, ok in passed}
+    kinds: dict[str, list[bool]] = {}
+    for kind, _, ok in passed:
+        kinds.setdefault(kind, []).append(ok)
     score = sum(details.values()) / len(details)
-    return Grade(reward=score, partial_score=score, details=details)
+    return Grade(
+        reward=score,
+        partial_score=score,
+        details=details,
+        by_kind={k: sum(v) / len(v) for k, v in kinds.items()},
+    )
 
 
 # --------------------------------------------------------------------------- demonstrations
@@ -287,6 +308,41 @@ def demonstrations(task: Task, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> li
                     )
                 )
     return demos
+
+
+TEACHERS: tuple[str, ...] = ("exact", "mixed")
+
+
+def with_trailing_period(task: Task) -> Task:
+    """The task as a sloppy teacher solves it: every file it writes ends with a period
+    ("7." for "7"), which a `FileEquals` check does not accept."""
+    solution = tuple(
+        tuple(
+            replace(s, arguments={**s.arguments, "content": s.arguments["content"] + "."})
+            if s.name == WRITE_FILE
+            else s
+            for s in turn
+        )
+        for turn in task.solution
+    )
+    return replace(task, solution=solution)
+
+
+def taught(tasks: Sequence[Task], teacher: str) -> list[Task]:
+    """The tasks whose solutions the warm start imitates.
+
+    - `exact`: every task once, solved as its checks require.
+    - `mixed`: every task twice, once exactly and once by the sloppy teacher of
+      `with_trailing_period`. The warm-started model then ends what it writes with a
+      period about half the time, on every task alike: a decision that RL can learn from
+      any training task and that carries over to held-out ones unchanged
+      (docs/agent.md, "The mixed teacher").
+    """
+    if teacher not in TEACHERS:
+        raise TaskError(f"unknown teacher {teacher!r}; known: {list(TEACHERS)}")
+    if teacher == "exact":
+        return list(tasks)
+    return list(tasks) + [with_trailing_period(t) for t in tasks]
 
 
 # --------------------------------------------------------------------------- built-in sets

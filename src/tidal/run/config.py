@@ -71,13 +71,18 @@ class ScheduleConfig(_Section):
 
 
 class WarmstartConfig(_Section):
-    steps: int = Field(100, ge=0, description="supervised steps on generated demonstrations")
+    steps: int = Field(150, ge=0, description="supervised steps on generated demonstrations")
     batch_size: int = Field(16, ge=1, description="demonstrations per step")
-    lr: float = Field(3e-3, gt=0, description="learning rate")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    teacher: Literal["exact", "mixed"] = Field(
+        "mixed",
+        description="exact: demonstrations solve each task as graded; mixed: each task also "
+        "once by a sloppy teacher whose files end with a period (docs/agent.md)",
+    )
 
 
 class RLConfig(_Section):
-    steps: int = Field(40, ge=0, description="RL training steps")
+    steps: int = Field(30, ge=0, description="RL training steps")
     lr: float = Field(1e-4, gt=0, description="learning rate")
     max_paths: int = Field(5, ge=1, description="J: paths trained per episode")
     normalization: Literal["two_level", "token", "path"] = Field(
@@ -95,7 +100,7 @@ class RLConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(20, ge=1, description="evaluate on held-out tasks every N RL steps")
+    every: int = Field(15, ge=1, description="evaluate on held-out tasks every N RL steps")
     samples: int = Field(4, ge=1, description="sessions per held-out task (success: their mean)")
     temperature: float = Field(1.0, ge=0, description="sampling temperature for evaluation")
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from tidal.agent.harness import AgentConfig
-from tidal.agent.tasks import Demonstration, Task, demonstrations, load_taskset
+from tidal.agent.tasks import Demonstration, Task, demonstrations, load_taskset, taught
 from tidal.engine.embedded import EmbeddedEngine
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
@@ -143,14 +143,16 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         rate = sum(e.reward >= 1.0 for e in eps) / max(len(eps), 1)
         log.metrics({"phase": "eval", "step": state.step, "success_rate": rate,
                      "partial_mean": sum(e.partial_score for e in eps) / max(len(eps), 1),
-                     "seconds": time.perf_counter() - t0, "policy_version": engine.policy_version})
+                     "checks": _check_rates(eps), "seconds": time.perf_counter() - t0,
+                     "policy_version": engine.policy_version})
         return rate
 
     try:
         with log.live():
             # -- 1. warm start ----------------------------------------------------------
             if not state.warmstart_done:
-                demos = [_offer(d, cfg.rollout.tools) for t in train_tasks
+                demos = [_offer(d, cfg.rollout.tools)
+                         for t in taught(train_tasks, cfg.warmstart.teacher)
                          for d in demonstrations(t)]
                 examples = render_all(tokenizer, demos)
                 log.phase("warm start", cfg.warmstart.steps)
@@ -306,6 +308,15 @@ def _heldout_curve(metrics: Path) -> list[tuple[int, float]]:
     """(RL step, held-out success) of every evaluation, in order, resumes included."""
     rows = (json.loads(line) for line in metrics.read_text().splitlines() if line)
     return [(r["step"], r["success_rate"]) for r in rows if r.get("phase") == "eval"]
+
+
+def _check_rates(episodes: list[Episode]) -> dict[str, float]:
+    """Per kind of check, the fraction passed over the episodes that have one."""
+    kinds: dict[str, list[float]] = {}
+    for e in episodes:
+        for kind, rate in e.checks.items():
+            kinds.setdefault(kind, []).append(rate)
+    return {k: round(sum(v) / len(v), 4) for k, v in sorted(kinds.items())}
 
 
 def _offer(demo: Demonstration, tools: tuple[str, ...]) -> Demonstration:

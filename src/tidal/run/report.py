@@ -1,8 +1,9 @@
 """`tidal report RUN_DIR --html FILE`: one self-contained HTML page for a finished run.
 
 Plots are inline SVG drawn here (no plotting library, no JavaScript needed to read
-them): held-out success and mean reward over steps, train/inference mismatch over steps,
-and the wall-clock split between rollout and training. Links point at tree pages
+them): held-out success and the fraction of each kind of check passed, mean reward over
+steps, train/inference mismatch over steps, and the wall-clock split between rollout
+and training. Links point at tree pages
 (`RUN_DIR/trees/*.html`, made by `tidal inspect`) for a few sample sessions.
 """
 
@@ -85,6 +86,16 @@ def _series(rows: list[dict[str, Any]], phase: str, key: str) -> list[tuple[floa
     ]
 
 
+def _check_series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per kind of check, the fraction the held-out episodes passed at each evaluation."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r.get("phase") == "eval":
+            for kind, rate in (r.get("checks") or {}).items():
+                out.setdefault(f"check: {kind}", []).append((float(r["step"]), float(rate)))
+    return out
+
+
 def time_split_bar(rows: list[dict[str, Any]]) -> str:
     parts = {
         "warm start": sum(r.get("seconds", 0.0) for r in rows if r.get("phase") == "warmstart"),
@@ -112,8 +123,9 @@ def render_report(run_dir: Path) -> str:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     charts = [
-        line_chart("Held-out success rate", {"success": _series(rows, "eval", "success_rate")},
-                   y_label="success"),
+        line_chart("Held-out success rate, and the checks passed",
+                   {"success": _series(rows, "eval", "success_rate"), **_check_series(rows)},
+                   y_label="fraction"),
         line_chart("Training reward", {
             "mean reward": _series(rows, "rl", "reward_mean"),
             "success rate": _series(rows, "rl", "success_rate"),

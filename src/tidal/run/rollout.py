@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tidal.agent.harness import AgentConfig, AgentResult, run_episode
@@ -42,7 +42,8 @@ RuntimeFactory = Callable[[], contextlib.AbstractContextManager[ToolRuntime]]
 
 @dataclass(frozen=True)
 class Episode:
-    """One graded episode: its main session id, every session id, status and grade."""
+    """One graded episode: its main session id, every session id, status and grade
+    (`checks`: the grade's fraction passed per kind of check, `Grade.by_kind`)."""
 
     task_id: str
     session_id: str
@@ -52,6 +53,7 @@ class Episode:
     partial_score: float
     n_calls: int
     seconds: float
+    checks: dict[str, float] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -130,7 +132,7 @@ class Rollouts:
             task_id=task.task_id, session_id=session_id,
             session_ids=tuple(o.session_id for o in outcomes), status=result.status,
             reward=grade.reward, partial_score=grade.partial_score, n_calls=result.n_calls,
-            seconds=time.perf_counter() - t0,
+            seconds=time.perf_counter() - t0, checks=grade.by_kind,
         )
 
     def _forget(self, session_ids: Sequence[str]) -> None:
