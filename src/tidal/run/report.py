@@ -3,8 +3,8 @@
 Plots are inline SVG drawn here (no plotting library, no JavaScript needed to read
 them): held-out success and the fraction of each kind of check passed, mean reward over
 steps, train/inference mismatch over steps, and the wall-clock split between rollout
-and training. Links point at tree pages
-(`RUN_DIR/trees/*.html`, made by `tidal inspect`) for a few sample sessions.
+and training. Links point at tree pages (`RUN_DIR/trees/*.html`, made by `tidal
+inspect`) for a few sample sessions.
 """
 
 from __future__ import annotations
