@@ -201,13 +201,14 @@ def measure(
 ) -> dict[str, Any]:
     """Added latency at 1 session (unless `one_session` is False) and at 32 sessions whose
     starts are spread over `stagger_s` (the wall time, and so `calls_per_s`, includes it)."""
-    from tidal.gateway.server import GatewayServer
+    from tidal.gateway.server import GatewayServer, freeze_startup_heap
     from tidal.ledger.store import LedgerStore
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = LedgerStore(Path(tmp) / "bench.db")
         with GatewayServer(engine, tokenizer, store) as srv:
+            freeze_startup_heap()  # as `tidal serve` does
             ctx = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(1, mp_context=ctx) as clients:
                 load = partial(clients.submit, client_load, srv.base_url,

@@ -3,7 +3,9 @@ completions, models, logprobs, tool-call streaming."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from typing import Any
 
 import httpx
@@ -12,7 +14,7 @@ import pytest
 
 from tests.gateway.scripted_engine import ScriptedEngine
 from tests.gateway.test_http_drift import TOOLS, USER, tag_call
-from tidal.gateway.server import GatewayServer
+from tidal.gateway.server import GatewayServer, freeze_startup_heap
 from tidal.ledger.store import LedgerStore
 
 
@@ -293,3 +295,27 @@ def test_policy_version_follows_engine(
     r = c.chat.completions.create(model="scripted", messages=[USER])
     assert r.system_fingerprint == "tidal-policy-7"
     assert [call.policy_version for call in store.iter_full_calls()] == [0, 7]
+
+
+def test_frozen_startup_heap(client_for: Any, engine: ScriptedEngine, store: LedgerStore) -> None:
+    """`tidal serve` freezes its start-up heap: the gateway still serves and records, and
+    cycles made afterwards are still collected."""
+
+    class Node:
+        ref: Node | None = None
+
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 0
+        engine.push("after the freeze")
+        r = client_for("fz").chat.completions.create(model="scripted", messages=[USER])
+        assert r.choices[0].message.content == "after the freeze"
+        assert store.count_calls() == 1
+        node = Node()
+        node.ref = node
+        alive = weakref.ref(node)
+        del node
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()

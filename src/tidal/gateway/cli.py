@@ -35,7 +35,7 @@ def serve(
     from tidal.engine.base import Engine
     from tidal.engine.tiny import load_tokenizer, resolve_model
     from tidal.gateway.core import Gateway
-    from tidal.gateway.server import GatewayApp, uvicorn_config
+    from tidal.gateway.server import GatewayApp, freeze_startup_heap, uvicorn_config
     from tidal.ledger.store import LedgerStore
 
     try:
@@ -65,6 +65,7 @@ def serve(
     )
     typer.echo(f"tidal gateway: http://127.0.0.1:{port}/v1  (sessions: /sessions/<id>/v1)")
     app = GatewayApp(gw)
+    freeze_startup_heap()
     try:
         uvicorn.Server(uvicorn_config(app, "127.0.0.1", port)).run()
     finally:

@@ -24,6 +24,7 @@ chunk per tool call; then the finish chunk, the usage chunk (with
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -350,6 +351,19 @@ async def _send(send: Any, status: int, body: bytes, extra: Headers = ()) -> Non
         ],
     })
     await send({"type": "http.response.body", "body": body})
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now (imported modules, the loaded
+    model and tokenizer) to the collector's permanent generation (`gc.freeze`).
+
+    Call it once, when start-up is done and before serving. A full pass of Python's
+    cyclic collector otherwise walks all of torch's and transformers' objects and stalls
+    every call in flight: ~40 ms, the p99 of `bench/gateway.py`'s 32 paced sessions
+    (5-6 ms with the freeze). Frozen objects are never collected as cycles, so this is
+    for a process that keeps what it loaded at start-up, as a gateway does."""
+    gc.collect()
+    gc.freeze()
 
 
 def uvicorn_config(app: GatewayApp, host: str, port: int) -> Any:
