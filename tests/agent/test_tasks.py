@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -193,7 +194,7 @@ def test_default_and_mixed_sets() -> None:
     assert {t.family for t in mixed.heldout} == {"file"}
 
 
-def test_mixed_teacher_adds_a_sloppy_solution_the_grader_rejects(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_mixed_teacher_adds_a_sloppy_solution_the_grader_rejects(tmp_path: Path) -> None:
     """`mixed` demonstrates each task twice; the second writes "7." for "7", which
     earns the partial credit of a file that exists with the wrong text."""
     tasks = list(files_taskset().train[:3])

@@ -31,7 +31,7 @@ SMALL = {
                 "max_tokens": 64, "context_budget": 64, "temperature": 0.2,
                 "tools": ["bash", "read_file", "write_file", "spawn_subagent", "finish"]},
     # the exact teacher: the sloppy copies of `mixed` would halve each demonstration's
-    # share of these 30 steps (the other tests here run the default, mixed)
+    # share of these 30 steps (the SIGKILL/resume test runs the default, mixed)
     "warmstart": {"steps": 30, "batch_size": 4, "lr": 0.003, "teacher": "exact"},
     "rl": {"steps": 2, "max_tokens_per_stream": 2048},
     "schedule": {"policy": "colocated", "devices": 2, "groups_per_device": 1},
@@ -123,8 +123,9 @@ def test_bad_run_dir(tmp_path: Path) -> None:
 
 
 def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
-    cfg = _config(rl={"steps": 4}, warmstart={"steps": 3}, tasks={"name": "digits",
-                  "train_size": 8, "heldout_size": 2}, rollout={"context_budget": 4096})
+    cfg = _config(rl={"steps": 4}, warmstart={"steps": 3, "teacher": "mixed"},
+                  tasks={"name": "digits", "train_size": 8, "heldout_size": 2},
+                  rollout={"context_budget": 4096})
     out = tmp_path / "run"
     conf = tmp_path / "c.toml"
     from tidal.run.config import dump_config
