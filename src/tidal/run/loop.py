@@ -379,7 +379,8 @@ def _step_row(
         "statuses": {s: sum(e.status == s for e in eps) for s in {e.status for e in eps}},
         "staleness": [grp.staleness for grp in groups],
         "rollout_s": t_wait, "train_s": t_train,
-        "train_tokens_per_s": m.get("tokens", 0.0) / t_train if t_train else 0.0,
+        # tokens trained (summed over paths, as per-path training would count them)
+        "train_tokens_per_s": m.get("path_tokens", 0.0) / t_train if t_train else 0.0,
         "cpu_utilization": cpu / (wall * (os.cpu_count() or 1)),
         **_schedule_summary(sched),
         **m,

@@ -3,6 +3,7 @@ importance correction, and the tree trainer (see docs/training.md)."""
 
 from tidal.train.attention import StreamPlan, enable_tree_attention
 from tidal.train.loss import CORRECTIONS, LossConfig, pair_correction, pair_loss, per_path_loss
+from tidal.train.merge import merge_trees
 from tidal.train.packing import PackedBatch, PackedStream, TreeTrainingError, pack_trees
 from tidal.train.trainer import (
     KVCache,
@@ -26,6 +27,7 @@ __all__ = [
     "TreeTrainingError",
     "build_pair_terms",
     "enable_tree_attention",
+    "merge_trees",
     "mismatch_metrics",
     "pack_trees",
     "pair_correction",

@@ -1,7 +1,9 @@
 """Tree trainer: recompute old log-probabilities, correct, PPO/GRPO loss, backward, step.
 
 `TreeTrainer.step(trees)`:
-1. `pack_trees` (DFS streams, several trees per stream, big trees partitioned);
+1. `merge_trees` (trees that start alike share their common prefix; `merge=False` turns
+   it off), then `pack_trees` (DFS streams, several trees per stream, big trees
+   partitioned);
 2. `recompute_logprobs` without gradient (the trainer's pre-update log-probabilities),
    capturing per-layer keys/values of partitioned trees;
 3. importance correction against the engine's rollout log-probabilities, the loss
@@ -44,6 +46,7 @@ import torch
 
 from tidal.train.attention import StreamPlan, enable_tree_attention
 from tidal.train.loss import LossConfig, pair_correction, pair_loss
+from tidal.train.merge import merge_trees
 from tidal.train.packing import PackedBatch, PackedStream, pack_trees
 from tidal.tree.types import TrainTree
 
@@ -360,6 +363,7 @@ class TreeTrainer:
         attention: str = "auto",
         max_grad_norm: float | None = 1.0,
         max_mask_bytes: int = DEFAULT_MAX_MASK_BYTES,
+        merge: bool = True,
     ) -> None:
         if loss_config.kl_coef and ref_model is None:
             raise ValueError("loss_config.kl_coef > 0 needs a ref_model")
@@ -371,6 +375,7 @@ class TreeTrainer:
         self.attention = attention
         self.max_grad_norm = max_grad_norm
         self.max_mask_bytes = max_mask_bytes
+        self.merge = merge
         enable_tree_attention(model)
         if ref_model is not None:
             enable_tree_attention(ref_model)
@@ -384,6 +389,8 @@ class TreeTrainer:
             if not live:
                 return StepMetrics.empty(len(trees), time.perf_counter() - t0)
             skipped, trees = len(trees) - len(live), live
+        if self.merge:
+            trees = merge_trees(trees, self.max_tokens)
         batch = pack_trees(trees, self.max_tokens)
         cache = KVCache()
         old = recompute_logprobs(

@@ -27,8 +27,8 @@ Pipeline (each step a plain function; `process_sessions` wires them):
    norm_group encode the normalisation (types.py docstring, docs/trees.md).
 
 Deliberately simplified: every branch of an episode uses the episode's reward (a
-subagent is graded by the episode it served); episodes are never merged across a GRPO
-group, so the trees of one task's rollouts do not share their common prompt.
+subagent is graded by the episode it served); episodes are never merged here (the
+trainer merges trees that start alike before packing: `tidal.train.merge`).
 """
 
 from __future__ import annotations
