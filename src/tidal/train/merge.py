@@ -210,7 +210,10 @@ def merge_trees(trees: Sequence[TrainTree], max_tokens: int) -> list[TrainTree]:
         if m is not None:
             target = merged[m]
             assert isinstance(target, _Merged)
-            trial = target.copy()  # cheap: nodes hold views of the trees' arrays
+            # it fits for sure when all its tokens would; else try it on a copy (cheap:
+            # nodes hold views of the arrays) and keep that only if it fits
+            sure = target.size + t.unique_tokens <= max_tokens
+            trial = target if sure else target.copy()
             trial.insert(t)
             if trial.size <= max_tokens:
                 merged[m] = trial
