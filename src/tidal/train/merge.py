@@ -117,7 +117,8 @@ class _Merged:
         return h
 
     def insert(self, tree: TrainTree) -> None:
-        """Lay `tree` over this one (whose root it must share, unless this one is empty)."""
+        """Lay `tree` (checked by `layout_tree`) over this one, whose root it must share
+        unless this one is empty."""
         self.trees.append(tree)
         kids: list[list[int]] = [[] for _ in tree.segments]
         root = 0
@@ -156,10 +157,7 @@ class _Merged:
         return at
 
     def tree(self) -> TrainTree:
-        """The merged tree (segments in DFS order, parents first), or the one tree
-        inserted, unchanged."""
-        if len(self.trees) == 1:
-            return self.trees[0]
+        """The merged tree: segments in DFS order (parents first)."""
         order: list[int] = []
         stack = [self.root]
         while stack:
@@ -191,35 +189,38 @@ def merge_trees(trees: Sequence[TrainTree], max_tokens: int) -> list[TrainTree]:
     """The same branches in fewer tokens: trees whose roots begin with an equal token are
     merged, each merged tree at most `max_tokens` tokens (see the module docstring).
 
-    Every tree is first checked as the packer checks it (`layout_tree`), so a tree that
-    cannot be trained is refused under its own name, never hidden inside a merged one.
-    A tree that shares its first token with no other is returned unchanged."""
+    A tree is checked as the packer checks it (`layout_tree`) before it is merged with
+    another, so a tree that cannot be trained is refused under its own name, never
+    hidden inside a merged one. A tree merged with no other is returned unchanged (and
+    checked by the packer)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    merged: list[_Merged | TrainTree] = []  # a lone tree stays a TrainTree
+    current: dict[Key, int] = {}  # root's first token -> the entry being filled
     for t in trees:
-        layout_tree(t)
-    merged: list[_Merged | TrainTree] = []
-    current: dict[Key, int] = {}  # root's first token -> the merged tree being filled
-    for t in trees:
-        root = next(s for s in t.segments if s.parent == -1)
-        if t.unique_tokens > max_tokens or len(root) == 0:
-            merged.append(t)
+        roots = [s for s in t.segments if s.parent == -1]
+        if len(roots) != 1 or len(roots[0]) == 0 or t.unique_tokens > max_tokens:
+            merged.append(t)  # nothing to merge (the packer refuses a malformed tree)
             continue
-        key = _key(_rows(root))
+        key = _key(_rows(roots[0]))
         m = current.get(key)
         if m is not None:
             target = merged[m]
-            assert isinstance(target, _Merged)
-            # it fits for sure when all its tokens would; else try it on a copy (cheap:
-            # nodes hold views of the arrays) and keep that only if it fits
-            sure = target.size + t.unique_tokens <= max_tokens
-            trial = target if sure else target.copy()
+            layout_tree(t)
+            if isinstance(target, TrainTree):  # its first partner: lay it out now
+                layout_tree(target)
+                trial = _Merged()
+                trial.insert(target)
+            # else it fits for sure when all its tokens would; if not, try it on a copy
+            # (cheap: nodes hold views of the arrays) and keep that only if it fits
+            elif target.size + t.unique_tokens <= max_tokens:
+                trial = target
+            else:
+                trial = target.copy()
             trial.insert(t)
             if trial.size <= max_tokens:
                 merged[m] = trial
                 continue
-        fresh = _Merged()
-        fresh.insert(t)
         current[key] = len(merged)
-        merged.append(fresh)
+        merged.append(t)
     return [m if isinstance(m, TrainTree) else m.tree() for m in merged]
