@@ -1,10 +1,14 @@
-"""The reference the engine tests check against: one full transformers forward."""
+"""The reference the engine tests check against: one full transformers forward; and
+concurrent callers, whose requests share the engine's batches."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 import torch
 
-from tidal.engine.base import SamplingParams
+from tidal.engine.base import Engine, Generation, SamplingParams
 from tidal.engine.sampling import processed_logprobs
 
 
@@ -23,3 +27,20 @@ def processed_distribution(
         torch.full((n,), params.top_k, dtype=torch.long),
         torch.full((n,), params.top_p),
     )
+
+
+def generate_concurrently(
+    engine: Engine, calls: Sequence[tuple[list[int], SamplingParams]]
+) -> list[Generation]:
+    """One thread per call, all started at once: they join and leave the running batch."""
+    got: dict[int, Generation] = {}
+
+    def call(i: int) -> None:
+        got[i] = engine.generate([calls[i][0]], calls[i][1])[0]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [got[i] for i in range(len(calls))]

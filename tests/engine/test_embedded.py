@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.engine.reference import processed_distribution
+from tests.engine.reference import generate_concurrently, processed_distribution
 from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
 from tidal.engine.embedded import (
     DecodeBatch,
@@ -382,17 +382,7 @@ def test_mixed_concurrent_callers_match_solo_runs(tiny_dir: Path) -> None:
     ]
     with EmbeddedEngine(tiny_dir, batch_wait_s=0.0, max_batch_size=3) as eng:
         solo = [eng.generate([p], sp)[0] for p, sp in calls]
-        got: dict[int, Generation] = {}
-
-        def call(i: int) -> None:
-            got[i] = eng.generate([calls[i][0]], calls[i][1])[0]
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert sorted(got) == list(range(len(calls)))
+        got = generate_concurrently(eng, calls)
     for i, want in enumerate(solo):
         assert got[i].extra["batch_size"] <= 3
         np.testing.assert_array_equal(got[i].output_ids, want.output_ids)

@@ -38,6 +38,9 @@ def test_default_round_trips_through_toml(tmp_path: Path) -> None:
         ("[schedule]\npolicy = 'async'\ndevices = 2\ntrain_devices = 2\n",
          r"schedule\.train_devices \(2\) must leave a rollout device"),
         ("[schedule]\npolicy = 'fifo'\n", r"schedule\.policy"),
+        ("[rl]\nnumerics = 'exact'\n", r"rl\.numerics"),
+        ("[rl]\nnumerics = 'consistent'\n[rollout]\ntemperature = 0.7\n",
+         "needs rollout.temperature = 1.0"),
     ],
 )
 def test_bad_config_is_refused_with_the_field(tmp_path: Path, text: str, message: str) -> None:

@@ -117,6 +117,22 @@ def test_elastic_schedule_overlaps_within_the_staleness_bound(tmp_path: Path) ->
         assert store.check() == []
 
 
+def test_consistent_numerics_leave_no_mismatch(tmp_path: Path) -> None:
+    """rl.numerics = "consistent", colocated (nothing stale): through the gateway, the
+    ledger, the tree processor and merging, every trained token's recomputed
+    log-probability is the one the engine recorded, exactly."""
+    cfg = _config(rl={"steps": 2, "numerics": "consistent"},
+                  rollout={"context_budget": 4096, "temperature": 1.0})
+    out = tmp_path / "run"
+    summary = run(parse_config(cfg), out)
+    assert summary["steps"] == 2 and summary["verify_ok"]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["phase"] == "rl" and r.get("tokens", 0) > 0]
+    assert trained, "no step had signal to train"
+    for r in trained:
+        assert r["max_abs_logprob_diff"] == 0.0 and r["token_kl"] == 0.0, r
+
+
 def test_bad_run_dir(tmp_path: Path) -> None:
     with pytest.raises(RunError, match="nothing to resume"):
         run(parse_config(_config()), tmp_path / "none", resume=True)

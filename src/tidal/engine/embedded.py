@@ -17,6 +17,10 @@ Semantics shared with the vLLM engine:
 - prompt i of a request seeded `s` samples with seed `mix_seed(s, i)`; a seeded request
   gives the same tokens when run again, whoever shares its batch, up to float noise.
 
+`numerics="consistent"` samples from `consistent.py`'s batch-invariant forward instead
+(`ConsistentDecodeBatch`, a slot-store KV cache): a token's logprob is then exactly what
+the trainer's `attention="consistent"` recomputes.
+
 Weight updates (`update_weights`, `load_state_dict`) stop admission, let the running
 sequences finish, then swap the weights: a sequence never mixes two policy versions.
 
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
     import torch
 
 _SEED_MASK = (1 << 63) - 1
+NUMERICS = ("standard", "consistent")
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,9 @@ class DecodeBatch:
     columns are masked out), `step` runs one decode forward for all live rows, and
     `pop_finished` hands back the sequences that stopped. Rows keep their own RNG,
     sampling parameters and position ids, so a sequence's tokens do not depend on when
-    it joined or who shares the batch (up to floating-point noise).
+    it joined or who shares the batch (up to floating-point noise). The model-specific
+    part (`_prefill`, `_decode`, `_keep`, `can_merge`) is what `ConsistentDecodeBatch`
+    replaces.
     """
 
     def __init__(self, model: Any, *, max_context: int, pad_id: int) -> None:
@@ -122,10 +129,50 @@ class DecodeBatch:
     def admit(self, requests: Sequence[SequenceRequest], tags: Sequence[Any]) -> None:
         """Prefill `requests`, sample their first tokens and add them to the batch."""
         import torch
-        from transformers import DynamicCache
 
         if not requests:
             return
+        n = len(requests)
+        rows = []
+        for r, tag in zip(requests, tags, strict=True):
+            gen = torch.Generator(device=self._device)
+            gen.manual_seed(r.seed)
+            budget = min(r.params.max_tokens, self._max_context - len(r.prompt))
+            rows.append(
+                _Row(tag, gen, frozenset(r.params.stop_token_ids), budget, r.params.top_logprobs)
+            )
+        logits = self._prefill(requests, [row.budget for row in rows])
+        temperature = torch.tensor([r.params.temperature for r in requests], device=self._device)
+        top_k = torch.tensor([r.params.top_k for r in requests], device=self._device)
+        top_p = torch.tensor([r.params.top_p for r in requests], device=self._device)
+        lengths = torch.tensor([len(r.prompt) for r in requests], device=self._device)
+        self._rows += rows
+        self._next_pos = torch.cat([self._next_pos, lengths])
+        self._temperature = torch.cat([self._temperature, temperature.float()])
+        self._top_k = torch.cat([self._top_k, top_k.long()])
+        self._top_p = torch.cat([self._top_p, top_p.float()])
+        first = len(self._rows) - n
+        self._last = torch.cat([self._last, torch.zeros(n, dtype=torch.long, device=self._device)])
+        self._sample(logits, list(range(first, len(self._rows))))
+        self._retire()
+
+    def step(self) -> None:
+        """One decode forward for every live row, then sample and retire finished rows."""
+        if not self._rows:
+            return
+        logits = self._decode()
+        self._next_pos = self._next_pos + 1
+        self._sample(logits, list(range(len(self._rows))))
+        self._retire()
+
+    # -- the model-specific part: prefill, decode, and the KV cache's rows -----------------
+
+    def _prefill(self, requests: Sequence[SequenceRequest], budgets: list[int]) -> Any:
+        """Run the new prompts (left-padded together), add their KV cache rows after the
+        running ones, and return their last positions' logits [n, V]."""
+        import torch
+        from transformers import DynamicCache
+
         n = len(requests)
         lengths = [len(r.prompt) for r in requests]
         width = max(lengths)
@@ -146,37 +193,16 @@ class DecodeBatch:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        rows = []
-        for r, tag in zip(requests, tags, strict=True):
-            gen = torch.Generator(device=self._device)
-            gen.manual_seed(r.seed)
-            budget = min(r.params.max_tokens, self._max_context - len(r.prompt))
-            rows.append(
-                _Row(tag, gen, frozenset(r.params.stop_token_ids), budget, r.params.top_logprobs)
-            )
-        temperature = torch.tensor([r.params.temperature for r in requests], device=self._device)
-        top_k = torch.tensor([r.params.top_k for r in requests], device=self._device)
-        top_p = torch.tensor([r.params.top_p for r in requests], device=self._device)
         if self._rows:
             self._merge(cache, mask)
         else:
             self._cache, self._mask = cache, mask
-        self._rows += rows
-        self._next_pos = torch.cat([self._next_pos, positions[:, -1] + 1])
-        self._temperature = torch.cat([self._temperature, temperature.float()])
-        self._top_k = torch.cat([self._top_k, top_k.long()])
-        self._top_p = torch.cat([self._top_p, top_p.float()])
-        first = len(self._rows) - n
-        self._last = torch.cat([self._last, torch.zeros(n, dtype=torch.long, device=self._device)])
-        self._sample(out.logits[:, -1, :], list(range(first, len(self._rows))))
-        self._retire()
+        return out.logits[:, -1, :]
 
-    def step(self) -> None:
-        """One decode forward for every live row, then sample and retire finished rows."""
+    def _decode(self) -> Any:
+        """One forward of every row's last token; logits [B, V]."""
         import torch
 
-        if not self._rows:
-            return
         self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=-1)
         with torch.inference_mode():
             out = self._model(
@@ -186,9 +212,19 @@ class DecodeBatch:
                 past_key_values=self._cache,
                 use_cache=True,
             )
-        self._next_pos = self._next_pos + 1
-        self._sample(out.logits[:, -1, :], list(range(len(self._rows))))
-        self._retire()
+        return out.logits[:, -1, :]
+
+    def _keep(self, sel: Any) -> None:
+        """Keep the KV cache rows `sel` (the live sequences, in order)."""
+        self._cache.batch_select_indices(sel)
+        self._mask = self._mask[sel]
+        # Drop leading columns that no remaining row attends to.
+        lead = int((self._mask.cumsum(-1) == 0).sum(-1).min())
+        if lead > 0 and self.can_merge:
+            self._mask = self._mask[:, lead:]
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., lead:, :]
+                layer.values = layer.values[..., lead:, :]
 
     @property
     def can_merge(self) -> bool:
@@ -253,25 +289,14 @@ class DecodeBatch:
             self._finished = finished
             return
         sel = torch.tensor(keep, device=self._device)
-        self._cache.batch_select_indices(sel)
+        self._keep(sel)
         self._rows = [self._rows[i] for i in keep]
-        self._mask, self._next_pos, self._last = (
-            self._mask[sel],
-            self._next_pos[sel],
-            self._last[sel],
-        )
+        self._next_pos, self._last = self._next_pos[sel], self._last[sel]
         self._temperature, self._top_k, self._top_p = (
             self._temperature[sel],
             self._top_k[sel],
             self._top_p[sel],
         )
-        # Drop leading columns that no remaining row attends to.
-        lead = int((self._mask.cumsum(-1) == 0).sum(-1).min())
-        if lead > 0 and self.can_merge:
-            self._mask = self._mask[:, lead:]
-            for layer in self._cache.layers:
-                layer.keys = layer.keys[..., lead:, :]
-                layer.values = layer.values[..., lead:, :]
 
     def _merge(self, cache: Any, mask: Any) -> None:
         """Append the rows of a freshly prefilled `cache` to the running one."""
@@ -295,6 +320,106 @@ class DecodeBatch:
                 torch.nn.functional.pad(mask, (width - new_t, 0)),
             ]
         )
+
+
+class ConsistentDecodeBatch(DecodeBatch):
+    """`DecodeBatch` on `ConsistentModel`'s batch-invariant forward (`consistent.py`).
+
+    The KV cache is one slot store per layer ([S, G, D], zero-filled): each sequence owns
+    a region of prompt + budget slots, written as it goes; its queries read their keys
+    by slot index. A token's logits then do not depend on the other rows, their number
+    or padding, bit for bit. Regions of retired rows are reclaimed when the store
+    fills (the live regions are copied to a new, larger store).
+    """
+
+    def __init__(self, model: Any, *, max_context: int, pad_id: int) -> None:
+        import torch
+
+        from tidal.engine.consistent import ConsistentModel
+
+        super().__init__(model, max_context=max_context, pad_id=pad_id)
+        self._cm = ConsistentModel(model)
+        self._store: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._used = 0
+        self._start = torch.zeros((0,), dtype=torch.long, device=self._device)
+
+    @property
+    def can_merge(self) -> bool:
+        return True
+
+    def _capacity(self) -> int:
+        return int(self._store[0][0].shape[0]) if self._store else 0
+
+    def _reserve(self, need: int) -> None:
+        """Make room for `need` more slots after `_used`, compacting live regions."""
+        import torch
+
+        if self._used + need <= self._capacity():
+            return
+        sizes = [int(p) - len(r.output_ids) + 1 + r.budget
+                 for p, r in zip(self._next_pos.tolist(), self._rows, strict=True)]
+        cap = max(2 * self._capacity(), sum(sizes) + need, 4096)
+        cfg = self._cm
+        like = self._cm.model.model.embed_tokens.weight
+        store = [
+            (like.new_zeros((cap, cfg.n_kv, cfg.head_dim)),
+             like.new_zeros((cap, cfg.n_kv, cfg.head_dim)))
+            for _ in range(cfg.n_layers)
+        ]
+        starts, pos = [], 0
+        for old, n, size in zip(self._start.tolist(), self._next_pos.tolist(), sizes,
+                                strict=True):
+            for (k, v), (nk, nv) in zip(self._store, store, strict=True):
+                nk[pos : pos + n] = k[old : old + n]
+                nv[pos : pos + n] = v[old : old + n]
+            starts.append(pos)
+            pos += size
+        self._store, self._used = store, pos
+        self._start = torch.tensor(starts, dtype=torch.long, device=self._device)
+
+    def _run(self, ids_T: Any, pos_T: Any, row_T: Any, starts_R: Any, out_rows: Any) -> Any:
+        import torch
+
+        from tidal.engine.consistent import KEY_BLOCK, KeyLists
+
+        width = int(pos_T.max()) + 1
+        width += (-width) % KEY_BLOCK
+        cap = self._capacity()
+        keys = (starts_R[:, None] + torch.arange(width, device=self._device)).clamp_(max=cap - 1)
+        lists = KeyLists(keys, row_T, pos_T + 1)
+        with torch.inference_mode():
+            h = self._cm.hidden(ids_T, pos_T, lists, self._store, starts_R[row_T] + pos_T)
+            return self._cm.logits(h.index_select(0, out_rows))
+
+    def _prefill(self, requests: Sequence[SequenceRequest], budgets: list[int]) -> Any:
+        import torch
+
+        lengths = [len(r.prompt) for r in requests]
+        self._reserve(sum(lengths) + sum(budgets))
+        starts, pos = [], self._used
+        for n, b in zip(lengths, budgets, strict=True):
+            starts.append(pos)
+            pos += n + b
+        self._used = pos
+        dev = self._device
+        starts_R = torch.tensor(starts, dtype=torch.long, device=dev)
+        ids_T = torch.tensor([t for r in requests for t in r.prompt], dtype=torch.long,
+                             device=dev)
+        pos_T = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        row_T = torch.cat([torch.full((n,), i, device=dev) for i, n in enumerate(lengths)])
+        last = torch.tensor(lengths, device=dev).cumsum(0) - 1
+        logits = self._run(ids_T, pos_T, row_T, starts_R, last)
+        self._start = torch.cat([self._start, starts_R])
+        return logits
+
+    def _decode(self) -> Any:
+        import torch
+
+        rows = torch.arange(len(self._rows), device=self._device)
+        return self._run(self._last, self._next_pos, rows, self._start, rows)
+
+    def _keep(self, sel: Any) -> None:
+        self._start = self._start[sel]
 
 
 def _top_pairs(lp: Any, k: int) -> list[list[tuple[int, float]]]:
@@ -360,6 +485,7 @@ class EmbeddedEngine:
         batch_wait_s: float = 0.005,
         seed: int | None = None,
         max_context: int | None = None,
+        numerics: str = "standard",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -368,6 +494,8 @@ class EmbeddedEngine:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if batch_wait_s < 0:
             raise EngineError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
+        if numerics not in NUMERICS:
+            raise EngineError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError(f"device {device!r} requested but CUDA is not available")
         self._dir = resolve_model(model)
@@ -380,6 +508,14 @@ class EmbeddedEngine:
             local_files_only=True,
         ).to(self._device)  # type: ignore[arg-type]
         self._model.eval()
+        self._numerics = numerics
+        if numerics == "consistent":
+            from tidal.engine.consistent import ConsistencyError, ConsistentModel
+
+            try:
+                ConsistentModel(self._model)
+            except ConsistencyError as e:
+                raise EngineError(str(e)) from e
         config = self._model.config
         self._vocab_size = int(config.vocab_size)
         self._max_context = int(config.max_position_embeddings)
@@ -584,7 +720,8 @@ class EmbeddedEngine:
         `_update_waiting`: admission stops, the live sequences finish, the lock is released
         and the update applies, so no sequence ever mixes two weight versions.
         """
-        batch = DecodeBatch(self._model, max_context=self._max_context, pad_id=self._pad_id)
+        kind = ConsistentDecodeBatch if self._numerics == "consistent" else DecodeBatch
+        batch = kind(self._model, max_context=self._max_context, pad_id=self._pad_id)
         closing = False
         while True:
             if not len(batch):

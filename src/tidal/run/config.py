@@ -97,6 +97,12 @@ class RLConfig(_Section):
     )
     max_staleness: int = Field(1, ge=0, description="policy versions a sample may lag")
     max_tokens_per_stream: int = Field(4096, ge=64, description="tree-packing stream size")
+    numerics: Literal["standard", "consistent"] = Field(
+        "standard",
+        description="standard: engine and trainer use their own kernels (the mismatch is "
+        "corrected); consistent: both use one batch-invariant forward, so rollout and "
+        "trainer log-probabilities are equal bit for bit (slower; docs/training.md)",
+    )
 
 
 class EvalConfig(_Section):
@@ -136,6 +142,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"rollout.tools must name tools from {', '.join(ALL_TOOLS)} and include "
                 f"finish; got {list(self.rollout.tools)}"
+            )
+        if self.rl.numerics == "consistent" and self.rollout.temperature != 1.0:
+            raise ValueError(
+                "rl.numerics = \"consistent\" needs rollout.temperature = 1.0: the trainer's "
+                "log-probabilities are of the untempered distribution"
             )
         if self.schedule.policy == "async" and self.schedule.train_devices >= self.schedule.devices:
             raise ValueError(

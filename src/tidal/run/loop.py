@@ -103,7 +103,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     ).to(device)  # type: ignore[arg-type]
     model_name = cfg.model.name if cfg.model.name == "tiny" else base_dir.name
     engine = EmbeddedEngine(weights_dir, device=device, policy_version=state.policy_version,
-                            model_name=model_name, seed=cfg.seed)
+                            model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics)
     store = LedgerStore(run_dir / "ledger.db")
     gateway = GatewayServer(engine, tokenizer, store)
     url = gateway.start()
@@ -129,6 +129,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         LossConfig(clip_low=cfg.rl.clip_eps, clip_high=cfg.rl.clip_eps,
                    correction=cfg.rl.correction),
         max_tokens=cfg.rl.max_tokens_per_stream,
+        attention="consistent" if cfg.rl.numerics == "consistent" else "auto",
     )
     log = RunLog(run_dir, total_steps=cfg.rl.steps)
 

@@ -10,6 +10,9 @@ One interface, three backends, chosen per stream (`StreamPlan.backend`):
   mask memory and full quadratic attention FLOPs.
 - `flex` (default on CUDA): FlexAttention with a block mask from the same interval test,
   O(T) metadata. FlexAttention has no backward on CPU, so CPU never selects it.
+- `consistent`: not an attention kernel but the whole forward: the stream runs through
+  `tidal.engine.consistent.ConsistentModel`, whose logits are bitwise those an engine
+  with `numerics="consistent"` sampled from (trees must fit one stream; slower).
 
 The model is switched to the attention implementation `"tidal_tree"`, which runs the
 tree backend when a `StreamPlan` arrives through the model's `attention_mask` mapping
@@ -39,7 +42,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from tidal.train.packing import AttentionBlock, PackedStream, TreeTrainingError
 
 IMPLEMENTATION = "tidal_tree"
-BACKENDS = ("auto", "blocks", "dense", "flex")
+BACKENDS = ("auto", "blocks", "dense", "flex", "consistent")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -167,6 +170,11 @@ class StreamPlan:
         self._out_order: torch.Tensor | None = None
         self._dense_mask: torch.Tensor | None = None
         self._block_mask: Any = None
+        if self.backend == "consistent" and (C or stream.partition is not None):
+            raise TreeTrainingError(
+                f"stream of {stream.tree_ids}: consistent numerics need each tree in one "
+                f"stream (this tree has more tokens than max_tokens); raise max_tokens"
+            )
         if self.backend == "blocks":
             self._groups, self._out_order = _group_blocks(stream, device, max_mask_bytes)
         elif self.backend == "dense":

@@ -17,6 +17,11 @@
    gradients) for partitioned trees only;
 5. optional gradient-norm clip, optimizer step.
 
+`attention="consistent"` runs steps 2 and 4 on `tidal.engine.consistent`'s batch-invariant
+forward: with an engine sampling from the same forward (`numerics="consistent"`), the
+recomputed log-probabilities equal the rollout ones bit for bit, and the mismatch
+metrics read 0 (trees must then fit one stream).
+
 Trees whose norm groups hold only branches of advantage 0 carry no policy-gradient
 signal (typically a GRPO group whose sessions all earned the same reward: about half of
 them in `tidal run`). Without a KL term they are not packed, recomputed or
@@ -44,6 +49,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from tidal.engine.consistent import ConsistentModel, stream_key_lists
 from tidal.train.attention import StreamPlan, enable_tree_attention
 from tidal.train.loss import LossConfig, pair_correction, pair_loss
 from tidal.train.merge import merge_trees
@@ -117,6 +123,8 @@ def stream_logprobs(model: torch.nn.Module, plan: StreamPlan) -> torch.Tensor:
     """Log-probabilities [N] of the stream's targets, each read at its predecessor."""
     st = plan.stream
     dev = plan.device
+    if plan.backend == "consistent":
+        return consistent_logprobs(model, st, dev)
     base = model.get_decoder()  # type: ignore[operator]
     ids = torch.as_tensor(st.input_ids_T, device=dev)[None]
     pos = torch.as_tensor(st.position_ids_T, device=dev)[None]
@@ -130,6 +138,21 @@ def stream_logprobs(model: torch.nn.Module, plan: StreamPlan) -> torch.Tensor:
     logits_N_V = model.get_output_embeddings()(h_N).float()  # type: ignore[operator]
     tgt = torch.as_tensor(st.target_ids_N, device=dev)
     return logits_N_V.gather(1, tgt[:, None])[:, 0] - logits_N_V.logsumexp(-1)
+
+
+def consistent_logprobs(
+    model: torch.nn.Module, st: PackedStream, dev: torch.device
+) -> torch.Tensor:
+    """`stream_logprobs` on the batch-invariant forward (`tidal.engine.consistent`): the
+    same log-softmax of the same float32 logits the consistent engine samples from."""
+    cm = ConsistentModel(model)
+    ids = torch.as_tensor(st.input_ids_T, device=dev)
+    pos = torch.as_tensor(st.position_ids_T, device=dev)
+    h_T = cm.hidden(ids, pos, stream_key_lists(st.blocks, st.n_tokens, dev))
+    h_N = h_T.index_select(0, torch.as_tensor(st.target_pred_N, device=dev))
+    lp_N_V = cm.logits(h_N).log_softmax(-1)
+    tgt = torch.as_tensor(st.target_ids_N, device=dev)
+    return lp_N_V.gather(1, tgt[:, None])[:, 0]
 
 
 def _plan(
