@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from tidal.engine.base import Engine, Generation, SamplingParams
+from tidal.engine.consistent import KEY_BLOCK, KeyLists
 from tidal.engine.sampling import processed_logprobs
 
 
@@ -44,3 +45,10 @@ def generate_concurrently(
     for t in threads:
         t.join()
     return [got[i] for i in range(len(calls))]
+
+
+def causal_lists(n: int) -> KeyLists:
+    """The consistent forward's key lists for one sequence: token t attends to 0..t."""
+    width = n + (-n) % KEY_BLOCK
+    keys = torch.arange(width)[None].clamp(max=n - 1)
+    return KeyLists(keys, torch.zeros(n, dtype=torch.long), torch.arange(n) + 1)

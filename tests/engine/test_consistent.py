@@ -14,7 +14,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config
 
-from tests.engine.reference import generate_concurrently
+from tests.engine.reference import causal_lists, generate_concurrently
 from tests.train.conftest import tiny_qwen2, tiny_qwen3
 from tidal.engine.base import EngineError, SamplingParams
 from tidal.engine.consistent import (
@@ -35,13 +35,6 @@ PROMPTS = [list(range(1000, 1017)), [151644, 872, 198, 9707, 1879], list(range(5
 @pytest.fixture(autouse=True)
 def _two_threads() -> None:
     torch.set_num_threads(2)
-
-
-def causal_lists(n: int) -> KeyLists:
-    """One sequence: token t attends to tokens 0..t (slots = positions)."""
-    width = n + (-n) % KEY_BLOCK
-    keys = torch.arange(width)[None].clamp(max=n - 1)
-    return KeyLists(keys, torch.zeros(n, dtype=torch.long), torch.arange(n) + 1)
 
 
 def model_logprobs(cm: ConsistentModel, ids: list[int]) -> torch.Tensor:

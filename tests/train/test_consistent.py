@@ -18,9 +18,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.engine.reference import causal_lists
 from tests.train.conftest import tiny_qwen3
 from tidal.engine.base import SamplingParams
-from tidal.engine.consistent import KEY_BLOCK, ConsistentModel, KeyLists
+from tidal.engine.consistent import ConsistentModel
 from tidal.engine.embedded import EmbeddedEngine
 from tidal.engine.tiny import ensure_tiny
 from tidal.train import LossConfig, TreeTrainer, pack_trees, recompute_logprobs
@@ -156,11 +157,8 @@ def test_tree_stream_equals_each_path_alone_on_qwen3() -> None:
     for path in ([0, 2], [0, 1, 3]):
         seq = np.concatenate([segs[s].token_ids for s in path]).astype(np.int64)
         n = seq.shape[0]
-        width = n + (-n) % KEY_BLOCK
-        lists = KeyLists(torch.arange(width)[None].clamp(max=n - 1),
-                         torch.zeros(n, dtype=torch.long), torch.arange(n) + 1)
         with torch.no_grad():
-            lp = cm.logits(cm.hidden(torch.as_tensor(seq), torch.arange(n), lists))
+            lp = cm.logits(cm.hidden(torch.as_tensor(seq), torch.arange(n), causal_lists(n)))
             lp = lp.log_softmax(-1)[:-1].gather(1, torch.as_tensor(seq[1:])[:, None])[:, 0]
         # targets of this path: its model tokens, located by (tree, DFS index)
         lay = batch.layouts[0]

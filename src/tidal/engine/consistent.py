@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.functional import silu
 
@@ -266,8 +267,6 @@ def stream_key_lists(
     """Key lists of a packed tree stream without context (`tidal.train.packing`): each
     `AttentionBlock`'s queries share its key list, query r of the block using its first
     `n_full + r + 1` keys (ancestors root first, then its own chain up to itself)."""
-    import numpy as np
-
     width = max(int(b.key_idx_K.shape[0]) for b in blocks)
     width += (-width) % KEY_BLOCK
     keys = np.zeros((len(blocks), width), dtype=np.int64)
