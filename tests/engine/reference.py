@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from tidal.engine.base import Engine, Generation, SamplingParams
 from tidal.engine.consistent import KEY_BLOCK, KeyLists
 from tidal.engine.sampling import processed_logprobs
+
+
+def forward_logprobs(model: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Plain log-softmax of `model` at each output position, from one full forward."""
+    ids = torch.tensor([prompt + output])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    return lp.gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
 def processed_distribution(

@@ -11,7 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.engine.reference import generate_concurrently, processed_distribution
+from tests.engine.reference import (
+    forward_logprobs,
+    generate_concurrently,
+    processed_distribution,
+)
 from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
 from tidal.engine.embedded import (
     DecodeBatch,
@@ -39,15 +43,6 @@ def engine(tiny_dir: Path) -> Iterator[EmbeddedEngine]:
         yield eng
 
 
-def forward_logprobs(eng: EmbeddedEngine, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Plain log-softmax of the model at each output position, from one full forward."""
-    ids = torch.tensor([prompt + output])
-    with torch.inference_mode():
-        logits = eng.model(input_ids=ids).logits[0].float()
-    lp = logits.log_softmax(-1)[len(prompt) - 1 : -1]
-    return lp.gather(-1, torch.tensor(output)[:, None])[:, 0]
-
-
 def test_is_an_engine(engine: EmbeddedEngine) -> None:
     assert isinstance(engine, Engine)
     assert engine.max_context == 32768
@@ -61,7 +56,7 @@ def test_plain_sampling_logprobs_equal_forward_pass(engine: EmbeddedEngine) -> N
         assert gen.finish_reason == "length"
         assert len(gen.output_ids) == len(gen.logprobs) == 12
         assert gen.output_ids.dtype == np.int32
-        ref = forward_logprobs(engine, prompt, gen.output_ids.tolist())
+        ref = forward_logprobs(engine.model, prompt, gen.output_ids.tolist())
         np.testing.assert_allclose(gen.logprobs, ref.numpy(), atol=ATOL, rtol=0)
 
 
@@ -76,7 +71,7 @@ def test_processed_logprobs_reflect_temperature_top_k_top_p(engine: EmbeddedEngi
     # the plain one: at most 40 tokens survive.
     assert torch.isfinite(want).all()
     assert int(torch.isfinite(lp).sum(-1).max()) <= 40
-    plain = forward_logprobs(engine, prompt, gen.output_ids.tolist())
+    plain = forward_logprobs(engine.model, prompt, gen.output_ids.tolist())
     assert float((plain - want).abs().max()) > 0.1
 
 
@@ -178,7 +173,7 @@ def test_greedy_is_argmax(engine: EmbeddedEngine) -> None:
     with torch.inference_mode():
         logits = engine.model(input_ids=ids).logits[0, len(PROMPTS[1]) - 1 : -1]
     assert logits.argmax(-1).tolist() == gen.output_ids.tolist()
-    ref = forward_logprobs(engine, PROMPTS[1], gen.output_ids.tolist())
+    ref = forward_logprobs(engine.model, PROMPTS[1], gen.output_ids.tolist())
     np.testing.assert_allclose(gen.logprobs, ref.numpy(), atol=ATOL, rtol=0)
 
 
@@ -248,7 +243,7 @@ def test_update_weights_bumps_version_and_changes_outputs(tiny_dir: Path, tmp_pa
         after = eng.generate([PROMPTS[0]], params)[0]
         assert after.policy_version == 1
         assert not np.allclose(before.logprobs, after.logprobs, atol=1e-3)
-        ref = forward_logprobs(eng, PROMPTS[0], after.output_ids.tolist())
+        ref = forward_logprobs(eng.model, PROMPTS[0], after.output_ids.tolist())
         np.testing.assert_allclose(after.logprobs, ref.numpy(), atol=ATOL, rtol=0)
         # The original weights come back from the original checkpoint.
         eng.update_weights(tiny_dir, 2)
@@ -366,7 +361,7 @@ def test_weight_update_waits_for_running_sequences(tiny_dir: Path) -> None:
         runner.join()
         eng.load_state_dict(original, 2)
         # The whole sequence was sampled from the original weights.
-        ref = forward_logprobs(eng, PROMPTS[0], out[0].output_ids.tolist())
+        ref = forward_logprobs(eng.model, PROMPTS[0], out[0].output_ids.tolist())
         np.testing.assert_allclose(out[0].logprobs, ref.numpy(), atol=ATOL, rtol=0)
 
 

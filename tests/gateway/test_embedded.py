@@ -135,3 +135,27 @@ def test_64_sessions_x_20_calls(live: GatewayServer) -> None:
     # Every later turn continued the previous one: the history was never re-rendered.
     conts = [c.metadata["tito"]["continues"] for c in store.iter_full_calls()]
     assert sum(c is not None for c in conts) == n_sessions * n_calls * (turns - 1) // turns
+
+
+def test_a_session_continued_reads_its_history_from_the_prefix_cache(
+    live: GatewayServer,
+) -> None:
+    """The second call of a session re-sends the first call's history; the gateway builds
+    its prompt from the recorded tokens, so the engine finds them all in its prefix cache,
+    and OpenAI's `usage.prompt_tokens_details.cached_tokens` says so."""
+    client = openai.OpenAI(base_url=live.session_url("px"), api_key="x", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "list the files " * 8}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                           seed=1)
+    # At most the chat template's head, shared with other sessions' calls: not the message.
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 16
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and now?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                            seed=2)
+    calls = list(live.gateway.store.iter_full_calls())
+    c1 = next(c for c in calls if c.call_id == first.tidal["call_id"])
+    # All of call 1's context but its last sampled token (never run through the model).
+    want = c1.prompt_ids.shape[0] + c1.output_ids.shape[0] - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == want
+    assert second.usage.prompt_tokens > want

@@ -24,9 +24,14 @@ the trainer's `attention="consistent"` recomputes.
 Weight updates (`update_weights`, `load_state_dict`) stop admission, let the running
 sequences finish, then swap the weights: a sequence never mixes two policy versions.
 
+Prefix caching (`prefix_cache_mb`, on by default): a finished sequence's KV is kept
+(`prefix.py`), and a prompt that starts with a kept sequence prefills only the rest, so
+an agent's call k+1 computes only the tokens added since call k. The cache is emptied
+by every weight update. `Generation.extra["cached_tokens"]` says how many prompt tokens
+a call read from it. In standard numerics a reused KV differs from a fresh prefill's at
+float-noise level (like padding, below); in consistent numerics not at all.
+
 Deliberately simplified:
-- No prefix caching across calls: each call prefills its whole prompt. Agents with long
-  shared histories pay the prefill again; the vLLM backend is the scale-out answer.
 - A merged batch is as wide as its longest context (left padding, masked): a short
   sequence next to a long one pays attention over the padding.
 - Padding changes logits only at floating-point noise level (reductions of different
@@ -48,6 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tidal.engine.base import EngineError, Generation, SamplingParams, TopLogprobs, mix_seed
+from tidal.engine.prefix import PrefixCache, PrefixStats
 from tidal.engine.sampling import processed_logprobs, sample_tokens
 from tidal.engine.tiny import resolve_model
 
@@ -73,6 +79,7 @@ class SequenceResult:
     logprobs: list[float]
     finish_reason: str
     top_logprobs: TopLogprobs | None = None
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache, not computed
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -101,17 +108,21 @@ class DecodeBatch:
     columns are masked out), `step` runs one decode forward for all live rows, and
     `pop_finished` hands back the sequences that stopped. Rows keep their own RNG,
     sampling parameters and position ids, so a sequence's tokens do not depend on when
-    it joined or who shares the batch (up to floating-point noise). The model-specific
-    part (`_prefill`, `_decode`, `_keep`, `can_merge`) is what `ConsistentDecodeBatch`
-    replaces.
+    it joined or who shares the batch (up to floating-point noise). With a `prefix`
+    cache, a finished sequence's KV is kept there and a new prompt prefills only what
+    follows its longest cached prefix. The model-specific part (`_prefill`, `_decode`,
+    `_keep`, `_extract`, `can_merge`) is what `ConsistentDecodeBatch` replaces.
     """
 
-    def __init__(self, model: Any, *, max_context: int, pad_id: int) -> None:
+    def __init__(
+        self, model: Any, *, max_context: int, pad_id: int, prefix: PrefixCache | None = None
+    ) -> None:
         import torch
 
         self._model = model
         self._max_context = max_context
         self._pad_id = pad_id
+        self._prefix = prefix
         self._device = next(model.parameters()).device
         self._cache: Any = None
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)
@@ -134,14 +145,16 @@ class DecodeBatch:
             return
         n = len(requests)
         rows = []
+        hits: list[tuple[int, Any]] = []
         for r, tag in zip(requests, tags, strict=True):
             gen = torch.Generator(device=self._device)
             gen.manual_seed(r.seed)
             budget = min(r.params.max_tokens, self._max_context - len(r.prompt))
-            rows.append(
-                _Row(tag, gen, frozenset(r.params.stop_token_ids), budget, r.params.top_logprobs)
-            )
-        logits = self._prefill(requests, [row.budget for row in rows])
+            hit = self._prefix.lookup(r.prompt) if self._prefix is not None else (0, None)
+            hits.append(hit)
+            rows.append(_Row(tag, gen, frozenset(r.params.stop_token_ids), budget,
+                             r.prompt, hit[0], r.params.top_logprobs))
+        logits = self._prefill(requests, [row.budget for row in rows], hits)
         temperature = torch.tensor([r.params.temperature for r in requests], device=self._device)
         top_k = torch.tensor([r.params.top_k for r in requests], device=self._device)
         top_p = torch.tensor([r.params.top_p for r in requests], device=self._device)
@@ -167,23 +180,45 @@ class DecodeBatch:
 
     # -- the model-specific part: prefill, decode, and the KV cache's rows -----------------
 
-    def _prefill(self, requests: Sequence[SequenceRequest], budgets: list[int]) -> Any:
-        """Run the new prompts (left-padded together), add their KV cache rows after the
-        running ones, and return their last positions' logits [n, V]."""
+    def _prefill(
+        self,
+        requests: Sequence[SequenceRequest],
+        budgets: list[int],
+        hits: Sequence[tuple[int, Any]],
+    ) -> Any:
+        """Run the new prompts, add their KV cache rows after the running ones, and return
+        their last positions' logits [n, V].
+
+        Row i's columns are [pad | its cached prefix (hits[i]) | pad | its new tokens]: the
+        cached prefixes are right-aligned in the past part of a fresh cache, the new tokens
+        left-padded after it, and the padding masked out."""
         import torch
         from transformers import DynamicCache
 
         n = len(requests)
-        lengths = [len(r.prompt) for r in requests]
-        width = max(lengths)
+        cached = [c for c, _ in hits]
+        lengths = [len(r.prompt) - c for r, c in zip(requests, cached, strict=True)]
+        past, width = max(cached), max(lengths)
         ids = torch.full((n, width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - lengths[i] :] = torch.tensor(r.prompt, dtype=torch.long)
-            mask[i, width - lengths[i] :] = 1
+        mask = torch.zeros((n, past + width), dtype=torch.long)
+        positions = torch.zeros((n, width), dtype=torch.long)
+        for i, (r, c) in enumerate(zip(requests, cached, strict=True)):
+            ids[i, width - lengths[i] :] = torch.tensor(r.prompt[c:], dtype=torch.long)
+            mask[i, past - c : past] = 1
+            mask[i, past + width - lengths[i] :] = 1
+            positions[i, width - lengths[i] :] = torch.arange(c, len(r.prompt))
         ids, mask = ids.to(self._device), mask.to(self._device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = positions.to(self._device)
         cache = DynamicCache(config=self._model.config)
+        if past:
+            for layer, (k0, _) in enumerate(next(kv for c, kv in hits if c)):
+                keys = k0.new_zeros((n, k0.shape[0], past, k0.shape[-1]))
+                values = torch.zeros_like(keys)
+                for i, (c, kv) in enumerate(hits):
+                    if c:
+                        keys[i, :, past - c :] = kv[layer][0][:, :c]
+                        values[i, :, past - c :] = kv[layer][1][:, :c]
+                cache.update(keys, values, layer)
         with torch.inference_mode():
             out = self._model(
                 input_ids=ids,
@@ -214,6 +249,14 @@ class DecodeBatch:
             )
         return out.logits[:, -1, :]
 
+    def _extract(self, row: int, n: int) -> tuple[Any, int]:
+        """Row `row`'s KV for its first `n` positions, as the prefix cache keeps it: per
+        layer (keys, values) of shape [kv heads, n, head dim]; and its size in bytes."""
+        cols = self._mask[row].nonzero()[:n, 0]
+        kv = [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols))
+              for layer in self._cache.layers]
+        return kv, sum(2 * k.nelement() * k.element_size() for k, _ in kv)
+
     def _keep(self, sel: Any) -> None:
         """Keep the KV cache rows `sel` (the live sequences, in order)."""
         self._cache.batch_select_indices(sel)
@@ -240,7 +283,7 @@ class DecodeBatch:
     def clear(self) -> None:
         """Drop every row (after an error) and forget finished results."""
         self.__init__(  # type: ignore[misc]
-            self._model, max_context=self._max_context, pad_id=self._pad_id
+            self._model, max_context=self._max_context, pad_id=self._pad_id, prefix=self._prefix
         )
 
     def pop_finished(self) -> list[tuple[Any, SequenceResult]]:
@@ -276,15 +319,17 @@ class DecodeBatch:
         keep = [i for i, row in enumerate(self._rows) if row.finish is None]
         if len(keep) == len(self._rows):
             return
-        for row in self._rows:
+        for i, row in enumerate(self._rows):
             if row.finish is not None:
+                self._remember(i)
                 top = tuple(row.top) if row.n_top else None
-                result = SequenceResult(row.output_ids, row.logprobs, row.finish, top)
+                result = SequenceResult(row.output_ids, row.logprobs, row.finish, top, row.cached)
                 self._finished.append((row.tag, result))
         if not keep:
             finished = self._finished
             self.__init__(  # type: ignore[misc]  # back to an empty batch
-                self._model, max_context=self._max_context, pad_id=self._pad_id
+                self._model, max_context=self._max_context, pad_id=self._pad_id,
+                prefix=self._prefix,
             )
             self._finished = finished
             return
@@ -297,6 +342,18 @@ class DecodeBatch:
             self._top_k[sel],
             self._top_p[sel],
         )
+
+    def _remember(self, i: int) -> None:
+        """Keep finished row i's KV in the prefix cache: its prompt and all its output but
+        the last token (which was sampled, never run through the model)."""
+        row = self._rows[i]
+        n = int(self._next_pos[i])
+        if self._prefix is None or n < self._prefix.block:
+            return
+        tokens = row.prompt + tuple(row.output_ids[:-1])
+        assert len(tokens) == n, (len(tokens), n)
+        kv, nbytes = self._extract(i, n)
+        self._prefix.insert(tokens, kv, nbytes)
 
     def _merge(self, cache: Any, mask: Any) -> None:
         """Append the rows of a freshly prefilled `cache` to the running one."""
@@ -332,12 +389,14 @@ class ConsistentDecodeBatch(DecodeBatch):
     fills (the live regions are copied to a new, larger store).
     """
 
-    def __init__(self, model: Any, *, max_context: int, pad_id: int) -> None:
+    def __init__(
+        self, model: Any, *, max_context: int, pad_id: int, prefix: PrefixCache | None = None
+    ) -> None:
         import torch
 
         from tidal.engine.consistent import ConsistentModel
 
-        super().__init__(model, max_context=max_context, pad_id=pad_id)
+        super().__init__(model, max_context=max_context, pad_id=pad_id, prefix=prefix)
         self._cm = ConsistentModel(model)
         self._store: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._used = 0
@@ -391,7 +450,15 @@ class ConsistentDecodeBatch(DecodeBatch):
             h = self._cm.hidden(ids_T, pos_T, lists, self._store, starts_R[row_T] + pos_T)
             return self._cm.logits(h.index_select(0, out_rows))
 
-    def _prefill(self, requests: Sequence[SequenceRequest], budgets: list[int]) -> Any:
+    def _prefill(
+        self,
+        requests: Sequence[SequenceRequest],
+        budgets: list[int],
+        hits: Sequence[tuple[int, Any]],
+    ) -> Any:
+        """Reserve each prompt's region, copy its cached prefix (hits) into the region's
+        first slots, and run the rest: a token's KV depends only on its ancestors, so the
+        copy is what prefilling it again would write, bit for bit."""
         import torch
 
         lengths = [len(r.prompt) for r in requests]
@@ -401,13 +468,21 @@ class ConsistentDecodeBatch(DecodeBatch):
             starts.append(pos)
             pos += n + b
         self._used = pos
+        for s, (c, kv) in zip(starts, hits, strict=True):
+            if c:
+                for (k, v), (ck, cv) in zip(self._store, kv, strict=True):
+                    k[s : s + c] = ck[:c]
+                    v[s : s + c] = cv[:c]
         dev = self._device
         starts_R = torch.tensor(starts, dtype=torch.long, device=dev)
-        ids_T = torch.tensor([t for r in requests for t in r.prompt], dtype=torch.long,
-                             device=dev)
-        pos_T = torch.cat([torch.arange(n, device=dev) for n in lengths])
-        row_T = torch.cat([torch.full((n,), i, device=dev) for i, n in enumerate(lengths)])
-        last = torch.tensor(lengths, device=dev).cumsum(0) - 1
+        ids_T = torch.tensor([t for r, (c, _) in zip(requests, hits, strict=True)
+                              for t in r.prompt[c:]], dtype=torch.long, device=dev)
+        pos_T = torch.cat([torch.arange(c, n, device=dev)
+                           for n, (c, _) in zip(lengths, hits, strict=True)])
+        row_T = torch.cat([torch.full((n - c,), i, device=dev)
+                           for i, (n, (c, _)) in enumerate(zip(lengths, hits, strict=True))])
+        last = torch.tensor([n - c for n, (c, _) in zip(lengths, hits, strict=True)],
+                            device=dev).cumsum(0) - 1
         logits = self._run(ids_T, pos_T, row_T, starts_R, last)
         self._start = torch.cat([self._start, starts_R])
         return logits
@@ -420,6 +495,21 @@ class ConsistentDecodeBatch(DecodeBatch):
 
     def _keep(self, sel: Any) -> None:
         self._start = self._start[sel]
+
+    def _extract(self, row: int, n: int) -> tuple[Any, int]:
+        """Per layer (keys, values) of row `row`'s first n slots, [n, kv heads, head dim]."""
+        s = int(self._start[row])
+        kv = [(k[s : s + n].clone(), v[s : s + n].clone()) for k, v in self._store]
+        return kv, sum(2 * k.nelement() * k.element_size() for k, _ in kv)
+
+
+def _plain_kv(model: Any) -> bool:
+    """Whether every layer's KV cache is plain full attention (prefix-cacheable): a
+    sliding-window layer keeps only its last window, which a later prompt cannot reuse."""
+    from transformers import DynamicCache
+
+    return all(type(layer).__name__ == "DynamicLayer"
+               for layer in DynamicCache(config=model.config).layers)
 
 
 def _top_pairs(lp: Any, k: int) -> list[list[tuple[int, float]]]:
@@ -435,6 +525,8 @@ class _Row:
     generator: Any
     stops: frozenset[int]
     budget: int
+    prompt: tuple[int, ...]
+    cached: int  # prompt tokens read from the prefix cache
     n_top: int = 0  # alternatives to keep per token (SamplingParams.top_logprobs)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -486,6 +578,7 @@ class EmbeddedEngine:
         seed: int | None = None,
         max_context: int | None = None,
         numerics: str = "standard",
+        prefix_cache_mb: float = 256.0,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -496,6 +589,8 @@ class EmbeddedEngine:
             raise EngineError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         if numerics not in NUMERICS:
             raise EngineError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        if prefix_cache_mb < 0:
+            raise EngineError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError(f"device {device!r} requested but CUDA is not available")
         self._dir = resolve_model(model)
@@ -528,6 +623,11 @@ class EmbeddedEngine:
             self._max_context = max_context
         pad = getattr(config, "pad_token_id", None)
         self._pad_id = int(pad) if pad is not None else 0
+        self._prefix = (
+            PrefixCache(int(prefix_cache_mb * 2**20))
+            if prefix_cache_mb > 0 and (numerics == "consistent" or _plain_kv(self._model))
+            else None
+        )
         self._model_name = model_name or (model if model == "tiny" else self._dir.name)
         self._version = int(policy_version)
         self._max_batch = max_batch_size
@@ -570,6 +670,12 @@ class EmbeddedEngine:
         """The underlying transformers model (read it under no concurrent update)."""
         return self._model
 
+    @property
+    def prefix_stats(self) -> PrefixStats | None:
+        """The prefix cache's counters (lookups, hits, tokens reused, entries, bytes);
+        None when it is off (`prefix_cache_mb=0`, or a model with sliding-window layers)."""
+        return self._prefix.stats if self._prefix is not None else None
+
     def generate(
         self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams
     ) -> list[Generation]:
@@ -603,7 +709,7 @@ class EmbeddedEngine:
                     logprobs=np.asarray(res.logprobs, dtype=np.float32),
                     finish_reason=res.finish_reason,
                     policy_version=version,
-                    extra={"batch_size": float(batch)},
+                    extra={"batch_size": float(batch), "cached_tokens": float(res.cached_tokens)},
                     top_logprobs=res.top_logprobs,
                 )
             )
@@ -669,6 +775,8 @@ class EmbeddedEngine:
                     for key, value in state_dict.items():
                         params[key].copy_(value.to(device=self._device, dtype=params[key].dtype))
                     self._version = int(version)
+                    if self._prefix is not None:
+                        self._prefix.clear()  # its KV was computed with the old weights
             finally:
                 self._update_waiting.clear()
 
@@ -721,7 +829,8 @@ class EmbeddedEngine:
         and the update applies, so no sequence ever mixes two weight versions.
         """
         kind = ConsistentDecodeBatch if self._numerics == "consistent" else DecodeBatch
-        batch = kind(self._model, max_context=self._max_context, pad_id=self._pad_id)
+        batch = kind(self._model, max_context=self._max_context, pad_id=self._pad_id,
+                     prefix=self._prefix)
         closing = False
         while True:
             if not len(batch):

@@ -28,6 +28,9 @@ def serve(
     ] = None,
     device: Annotated[str, typer.Option(help="device for the embedded engine")] = "cpu",
     max_tokens: Annotated[int, typer.Option(help="default max_tokens per call")] = 256,
+    prefix_cache_mb: Annotated[
+        float, typer.Option(help="embedded engine's prefix cache in MiB (0: off)")
+    ] = 256.0,
 ) -> None:
     """Serve the OpenAI-compatible recording gateway on 127.0.0.1."""
     import uvicorn
@@ -46,7 +49,7 @@ def serve(
     if engine == "embedded":
         from tidal.engine.embedded import EmbeddedEngine
 
-        eng = EmbeddedEngine(model, device=device)
+        eng = EmbeddedEngine(model, device=device, prefix_cache_mb=prefix_cache_mb)
     elif engine == "vllm":
         if not engine_url:
             raise typer.BadParameter("--engine vllm needs --engine-url", param_hint="--engine-url")

@@ -462,7 +462,7 @@ class Gateway:
                     else None,
                 }
             ],
-            "usage": _usage(n_prompt, n_out),
+            "usage": _usage(n_prompt, n_out, gen),
             "tidal": {**_tidal_block(session_id, call_id, gen), "drift": len(plan.drift)},
         }
         return Answer(
@@ -552,7 +552,7 @@ class Gateway:
             "choices": [
                 {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
             ],
-            "usage": _usage(n_prompt, n_out),
+            "usage": _usage(n_prompt, n_out, gen),
             "tidal": _tidal_block(session_id, call_id, gen),
         }
         return Answer(
@@ -575,12 +575,17 @@ class Gateway:
         }
 
 
-def _usage(n_prompt: int, n_out: int) -> dict[str, int]:
-    return {
+def _usage(n_prompt: int, n_out: int, gen: Generation) -> dict[str, Any]:
+    """OpenAI's usage block; `prompt_tokens_details.cached_tokens` when the engine says
+    how many prompt tokens it read from its prefix cache."""
+    usage: dict[str, Any] = {
         "prompt_tokens": n_prompt,
         "completion_tokens": n_out,
         "total_tokens": n_prompt + n_out,
     }
+    if "cached_tokens" in gen.extra:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(gen.extra["cached_tokens"])}
+    return usage
 
 
 def _tidal_block(session_id: str, call_id: str, gen: Generation) -> dict[str, Any]:

@@ -45,6 +45,10 @@ class RolloutConfig(_Section):
     context_budget: int = Field(
         4096, ge=64, description="tokens of context before the harness compacts"
     )
+    prefix_cache_mb: float = Field(
+        256.0, ge=0, description="the engine's prefix cache (MiB; 0: off): a call prefills "
+        "only the tokens added since the session's last call",
+    )
     tools: tuple[str, ...] = Field(
         ("write_file", "finish"),
         description="tools offered to the agent (and in the warm start's demonstrations)",

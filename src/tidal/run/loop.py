@@ -103,7 +103,8 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     ).to(device)  # type: ignore[arg-type]
     model_name = cfg.model.name if cfg.model.name == "tiny" else base_dir.name
     engine = EmbeddedEngine(weights_dir, device=device, policy_version=state.policy_version,
-                            model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics)
+                            model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
+                            prefix_cache_mb=cfg.rollout.prefix_cache_mb)
     store = LedgerStore(run_dir / "ledger.db")
     gateway = GatewayServer(engine, tokenizer, store)
     url = gateway.start()
