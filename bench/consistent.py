@@ -13,6 +13,7 @@ of importance weights clipped); the step's seconds; and the cost ratios.
 
     .venv/bin/python bench/consistent.py [--tasks 4] [--group 4] [--turns 4]
                                          [--max-tokens 48] [--prompt 300] [--threads 2]
+                                         [--prefix-cache-mb 256]
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def measure(numerics: str, args: argparse.Namespace, model_dir: Path) -> dict[st
     prompts = [np.random.default_rng(100 + t).integers(0, 5000, size=args.prompt).tolist()
                for t in range(args.tasks)]
     sessions: dict[tuple[int, int], list[tuple[list[int], Any]]] = {}
-    with EmbeddedEngine(model_dir, numerics=numerics, seed=0) as eng:
+    with EmbeddedEngine(model_dir, numerics=numerics, seed=0,
+                        prefix_cache_mb=args.prefix_cache_mb) as eng:
         eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
 
         def run(t: int, g: int) -> None:
@@ -90,7 +92,9 @@ def measure(numerics: str, args: argparse.Namespace, model_dir: Path) -> dict[st
         rollout_s = time.perf_counter() - t0
     sampled = sum(int(gen.output_ids.shape[0]) for calls in sessions.values()
                   for _, gen in calls)
-    prefilled = sum(len(p) for calls in sessions.values() for p, _ in calls)
+    prompt_tokens = sum(len(p) for calls in sessions.values() for p, _ in calls)
+    cached = sum(int(gen.extra["cached_tokens"]) for calls in sessions.values()
+                 for _, gen in calls)
     trees = [session_tree(f"t{t}-{g}", calls, f"task{t}", 1.0 if g % 2 else -1.0)
              for (t, g), calls in sorted(sessions.items())]
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -104,7 +108,8 @@ def measure(numerics: str, args: argparse.Namespace, model_dir: Path) -> dict[st
     return {
         "rollout_s": round(rollout_s, 2),
         "sampled_tokens": sampled,
-        "prefill_tokens": prefilled,
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_computed": prompt_tokens - cached,
         "sampled_tokens_per_s": round(sampled / rollout_s, 1),
         "train_step_s": round(step_s, 2),
         "train_tokens": m.tokens,
@@ -123,6 +128,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                    help="the engine's prefix cache (0: off, every call prefills its prompt)")
     args = ap.parse_args()
 
     from tidal.engine.tiny import ensure_tiny

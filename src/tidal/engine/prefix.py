@@ -48,7 +48,7 @@ class _Entry:
 
 @dataclass
 class PrefixStats:
-    """Counters since the cache was made (`clear` keeps them)."""
+    """Counters since the cache was made (`clear` keeps them), and its present size."""
 
     lookups: int = 0
     hits: int = 0
@@ -119,7 +119,7 @@ class PrefixCache:
             e = self._entries[key]
             common = min(e.tokens.size, arr.size)
             if not np.array_equal(e.tokens[:common], arr[:common]):
-                continue  # a hash collision
+                continue  # a branch from a shared prefix (or a hash collision)
             if e.tokens.size >= arr.size:
                 self._entries.move_to_end(e.key)
                 return False
