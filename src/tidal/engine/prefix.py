@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -80,9 +80,7 @@ class PrefixCache:
 
     @property
     def stats(self) -> PrefixStats:
-        s = self._stats
-        return PrefixStats(s.lookups, s.hits, s.tokens_looked_up, s.tokens_reused,
-                           len(self._entries), self._nbytes, s.evicted)
+        return replace(self._stats, entries=len(self._entries), nbytes=self._nbytes)
 
     def lookup(self, prompt: Sequence[int] | npt.NDArray[Any]) -> tuple[int, Any]:
         """(n, kv): the longest cached prefix of `prompt`, at most `len(prompt) - 1` tokens
@@ -110,7 +108,7 @@ class PrefixCache:
         arr = np.asarray(tokens, dtype=np.int32)
         if arr.size < self.block or nbytes > self.capacity_bytes:
             return False
-        blocks = self._hashes(arr, int(arr.size))
+        blocks = [h for _, h in self._hashes(arr, int(arr.size))]
         covered = set()
         for h in blocks:
             for e in self._index.get(h, ()):
@@ -147,23 +145,21 @@ class PrefixCache:
         """A block's hash: of its tokens and of the block before it."""
         return hash((previous, block))
 
-    def _hashes(self, tokens: npt.NDArray[np.int32], limit: int) -> list[int]:
-        """Chained hashes of the full blocks of `tokens[:limit]`."""
-        out, h = [], 0
-        for start in range(0, limit - self.block + 1, self.block):
-            h = self._chain(h, tokens[start : start + self.block].tobytes())
-            out.append(h)
-        return out
+    def _hashes(self, tokens: npt.NDArray[np.int32], limit: int) -> Iterator[tuple[int, int]]:
+        """(end, chained hash) of each full block of `tokens[:limit]`, in order."""
+        h, b = 0, self.block
+        for start in range(0, limit - b + 1, b):
+            h = self._chain(h, tokens[start : start + b].tobytes())
+            yield start + b, h
 
     def _longest(self, tokens: npt.NDArray[np.int32], limit: int) -> tuple[_Entry | None, int]:
         best: _Entry | None = None
-        n, h, b = 0, 0, self.block
-        for start in range(0, limit - b + 1, b):
-            h = self._chain(h, tokens[start : start + b].tobytes())
+        n = 0
+        for end, h in self._hashes(tokens, limit):  # stops at the first block not indexed
             found = self._index.get(h)
             if not found:
                 break
-            best, n = found[-1], start + b
+            best, n = found[-1], end
         if best is None or not np.array_equal(best.tokens[:n], tokens[:n]):
             return None, 0  # nothing indexed, or a hash collision
         stop = min(int(best.tokens.size), limit)
