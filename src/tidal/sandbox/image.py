@@ -12,6 +12,10 @@ default image is two:
 
 so it carries the host's Debian python3 (/usr/bin/python3) and tools, and none of the
 host's private files (nothing from /root, /home, /etc/shadow, /work, ...).
+
+Prebuilt read-only layers (`SandboxConfig.layers`, what `tidal.sandbox.build` makes from a
+Dockerfile) stack over an image: `stack_layers` puts each layer's `<mount key>`
+subdirectory above that mount's own lower directories.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import shutil
 import stat
 import tempfile
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tidal.sandbox.types import ImageError
@@ -75,6 +80,51 @@ class Image:
     @property
     def root(self) -> str:
         return self.mounts[0].lowers[0]
+
+
+def stack_layers(image: Image, layers: Sequence[str]) -> Image:
+    """`image` with `layers` (uppermost first) over its mounts: each layer's
+    subdirectory named after a mount's key becomes one more lower directory of that
+    mount, above the image's own. A layer with a subdirectory for a mount the image does
+    not have was built on another image: ImageError."""
+    if not layers:
+        return image
+    keys = {m.key for m in image.mounts}
+    for lay in layers:
+        p = Path(lay)
+        if not p.is_dir():
+            raise ImageError(f"layer {lay!r} is not a directory")
+        extra = sorted(c.name for c in p.iterdir() if c.is_dir() and c.name not in keys)
+        if extra:
+            raise ImageError(
+                f"layer {lay!r} has {extra}, which image {image.name!r} does not mount "
+                f"(it mounts {sorted(keys)}): use the layer over the image it was built on")
+    mounts = tuple(
+        replace(m, lowers=tuple(str(Path(lay, m.key)) for lay in layers
+                                if Path(lay, m.key).is_dir()) + m.lowers)
+        for m in image.mounts)
+    return replace(image, mounts=mounts)
+
+
+def default_image_identity(images_dir: Path) -> str:
+    """What the default image is made of, for cache keys of layers built on it: its
+    version, the digest of its skeleton, and the identity of the host's /usr under it."""
+    img = default_image(images_dir)
+    skeleton = Path(img.mounts[0].lowers[0]).parent.name  # default-v<N>-<digest>
+    return f"{skeleton};usr={directory_identity(Path(_host_usr()))}"
+
+
+def directory_identity(path: Path) -> str:
+    """A cheap fingerprint of a directory used as an image: its resolved path and the
+    mtime_ns of it and of each top-level entry. Adding or removing a file at the top of
+    it, or in one of its top-level directories, changes it; editing a file deeper down in
+    place does not (change the directory's mtime, e.g. `touch DIR`, to invalidate)."""
+    real = path.resolve()
+    parts = [str(real), str(real.lstat().st_mtime_ns)]
+    with os.scandir(real) as it:
+        for e in sorted(it, key=lambda e: e.name):
+            parts.append(f"{e.name}={e.stat(follow_symlinks=False).st_mtime_ns}")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
 def _host_usr() -> str:

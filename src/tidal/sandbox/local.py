@@ -3,7 +3,8 @@
 One sandbox ("box") is:
 
     <state>/boxes/<id>/layer        a tmpfs of `disk_bytes` holding the writable layer(s)
-    <state>/boxes/<id>/mnt/<key>    overlay: image (read-only) under layer/<key>/upper
+    <state>/boxes/<id>/mnt/<key>    overlay: config.layers' <key>/ and the image (read-only)
+                                    under layer/<key>/upper
     pid 1                           a tiny static program (see _linux.init_elf) in its
                                     own user, pid, network, IPC and UTS namespaces,
                                     started by bubblewrap; it reaps orphans and dies
@@ -13,9 +14,11 @@ One sandbox ("box") is:
 
 Each command is one more bubblewrap run that joins pid 1's namespaces (--userns,
 --userns2, --pidns; the calling thread enters the network, IPC and UTS namespaces for
-the fork), binds the overlays at / and /usr, mounts a fresh /proc (with /proc/sys
-read-only and the sensitive files masked) and /dev, drops every capability, sets
-no_new_privs, and waits on --block-fd until the host has put it into the box's cgroups.
+the fork), binds the overlays at / and /usr (their lower directories: the config's
+prebuilt layers, then the image), then the config's host binds read-only, mounts a
+fresh /proc (with /proc/sys read-only and the sensitive files masked) and /dev, drops
+every capability, sets no_new_privs, and waits on --block-fd until the host has put it
+into the box's cgroups.
 Output, wall-clock and CPU limits are enforced from the host, so nothing inside can
 tamper with them, and no image has to contain anything but what the agent runs.
 
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.sandbox import _linux, cgroups, layer
-from tidal.sandbox.image import Image, resolve_image
+from tidal.sandbox.image import Image, resolve_image, stack_layers
 from tidal.sandbox.netfwd import PortForwarder
 from tidal.sandbox.paths import Resolver
 from tidal.sandbox.types import (
@@ -171,7 +174,9 @@ class LocalRuntime:
         self.bwrap = require_available()
 
     def image_id(self, config: SandboxConfig) -> str:
-        return "default" if config.image is None else str(Path(config.image).resolve())
+        """The image and the layers stacked over it (a snapshot restores on the same)."""
+        base = "default" if config.image is None else str(Path(config.image).resolve())
+        return "+".join([base, *(str(Path(lay).resolve()) for lay in config.layers)])
 
     def create(self, config: SandboxConfig, layers: layer.ArchiveReader | None = None) -> LocalBox:
         root = state_root(config)
@@ -180,7 +185,7 @@ class LocalRuntime:
                 root.mkdir(parents=True, exist_ok=True, mode=0o700)
                 collect_garbage(root)
                 _gc_done.add(root)
-        image = resolve_image(config.image, root / "images")
+        image = stack_layers(resolve_image(config.image, root / "images"), config.layers)
         return LocalBox(config, image, root, self.bwrap, layers)
 
 
@@ -249,6 +254,7 @@ class LocalBox:
             self.mounts[m.target] = str(merged)
         self.resolver = Resolver(self.mounts, self.config.workdir)
         self.resolver.ensure_dir(self.config.workdir)
+        self._make_mount_points()
         self.shell = next((s for s in ("/bin/bash", "/bin/sh") if self.resolver.exists(s)), None)
 
         ok, why = cgroups.v1_available()
@@ -262,6 +268,21 @@ class LocalBox:
             self.capabilities["limits"] = f"rlimit fallback ({why}); no process-count limit"
         if self.config.allow_ports:
             self._fwd = PortForwarder(self._net_fd, self.config.allow_ports)
+
+    def _make_mount_points(self) -> None:
+        """Create each bind's mount point in the sandbox's own files (walked safely, as
+        the file API does), so bubblewrap finds it and never creates one itself."""
+        for b in self.config.binds:
+            is_dir = Path(b.host).is_dir()
+            if not self.resolver.exists(b.target):
+                if is_dir:
+                    self.resolver.ensure_dir(b.target)
+                else:
+                    self.resolver.write(b.target, b"", 0o644, True)
+            elif self.resolver.is_dir(b.target) != is_dir:
+                kind = "directory" if is_dir else "file"
+                raise SandboxError(f"bind {b.host!r}:{b.target!r}: the host path is a {kind} "
+                                   f"but {b.target} in the image is not")
 
     def _write_owner(self, extra: dict[str, Any]) -> None:
         path = self.dir / "owner.json"
@@ -353,6 +374,8 @@ class LocalBox:
         for target, merged in self.mounts.items():
             if target != "/":
                 a += ["--bind", merged, target]
+        for b in self.config.binds:
+            a += ["--ro-bind", b.host, b.target]
         a += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]
         for f in self._proc_masks:
             a += ["--ro-bind", "/dev/null", f"/proc/{f}"]

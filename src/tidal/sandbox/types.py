@@ -1,8 +1,9 @@
 """The sandbox's public data model: limits, configuration, exec results, errors.
 
-Pure Python, no I/O. Every runtime (the local bubblewrap one, a future Docker,
-Kubernetes or microVM one) speaks these types, and the command log that snapshots
-carry is made of their `to_dict()` forms.
+Pure Python; the only I/O is checking that configured layer and bind paths exist.
+Every runtime (the local bubblewrap one, a future Docker, Kubernetes or microVM one)
+speaks these types, and the command log that snapshots carry is made of their
+`to_dict()` forms.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import enum
 import math
 import os
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 # --------------------------------------------------------------------------- errors
@@ -203,6 +206,84 @@ def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
     return out
 
 
+OVERLAY_BAD_CHARS = ",:\\"  # overlayfs's mount options cannot carry these in a path
+NOT_BINDABLE = ("/proc", "/dev")
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host directory or file made visible read-only at `target` inside the sandbox,
+    for every command (a harness's code or virtualenv). `host` must exist; `target` is
+    an absolute, normalized sandbox path, not `/`, not under /proc or /dev. Binds are
+    seen by commands only: the file API (`read_file`, `list`) sees the empty mount point
+    in the sandbox's own files."""
+
+    host: str
+    target: str
+
+    def __post_init__(self) -> None:
+        host, target = os.fspath(self.host), os.fspath(self.target)
+        object.__setattr__(self, "host", host)
+        object.__setattr__(self, "target", target)
+        if not isinstance(host, str) or not host.startswith("/") or "\0" in host:
+            raise ValueError(f"bind host path must be absolute, got {host!r}")
+        if not Path(host).exists():
+            raise ValueError(f"bind host path {host!r} does not exist")
+        if not isinstance(target, str) or not target.startswith("/") or "\0" in target:
+            raise ValueError(f"bind target must be an absolute sandbox path, got {target!r}")
+        if posixpath.normpath(target) != target or target.startswith("//"):
+            raise ValueError(f"bind target {target!r} is not normalized "
+                             f"(write {posixpath.normpath(target)!r})")
+        if target == "/":
+            raise ValueError("bind target cannot be /: it would hide the whole image")
+        for hidden in NOT_BINDABLE:
+            if target == hidden or target.startswith(hidden + "/"):
+                raise ValueError(f"bind target {target!r} is under {hidden}, which the sandbox "
+                                 "mounts itself")
+
+    @classmethod
+    def parse(cls, entry: str) -> Bind:
+        """A bind from "HOST:SANDBOX" (a trailing ":ro" is accepted: binds are read-only
+        anyway), or ValueError naming the entry."""
+        if not isinstance(entry, str):
+            raise ValueError(f"mount {entry!r}: expected a string \"HOST:SANDBOX\"")
+        parts = entry.split(":")
+        if len(parts) == 3 and parts[2] == "ro":
+            parts = parts[:2]
+        elif len(parts) == 3 and parts[2] == "rw":
+            raise ValueError(f"mount {entry!r}: binds are read-only; drop \":rw\"")
+        if len(parts) != 2 or not all(parts):
+            raise ValueError(f"mount {entry!r}: expected \"HOST:SANDBOX\", two absolute paths "
+                             "separated by one ':'")
+        try:
+            return cls(parts[0], parts[1])
+        except ValueError as e:
+            raise ValueError(f"mount {entry!r}: {e}") from None
+
+    def to_dict(self) -> dict[str, str]:
+        return {"host": self.host, "target": self.target}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Bind:
+        return cls(host=d["host"], target=d["target"])
+
+
+def check_layers(layers: Any) -> tuple[str, ...]:
+    """`layers` as a tuple of absolute directory paths, or ValueError naming the bad one."""
+    if isinstance(layers, str | os.PathLike):
+        raise TypeError("layers must be a sequence of directories, not one path")
+    out = tuple(os.fspath(x) for x in layers)
+    for lay in out:
+        if not isinstance(lay, str) or not lay.startswith("/"):
+            raise ValueError(f"layer {lay!r} must be an absolute directory path")
+        if any(c in lay for c in OVERLAY_BAD_CHARS):
+            raise ValueError(f"layer {lay!r} contains ',', ':' or '\\', which overlayfs "
+                             "cannot take in a path; move it")
+        if not Path(lay).is_dir():
+            raise ValueError(f"layer {lay!r} is not an existing directory")
+    return out
+
+
 @dataclass(frozen=True)
 class SandboxConfig:
     """What a sandbox is made of.
@@ -214,6 +295,11 @@ class SandboxConfig:
     nothing else of any network is reachable. `workdir`: the default working directory
     of commands and the base of relative file-API paths. `state_dir`: where the runtime
     keeps per-sandbox state (default `$TIDAL_SANDBOX_DIR` or /run/tidal-sandbox).
+    `layers`: prebuilt read-only layer directories stacked over the image, uppermost
+    first (what `tidal.sandbox.build` makes from a Dockerfile); each holds one
+    subdirectory per mount of the image (`root`, `usr`), overlayfs-style (whiteouts and
+    opaque directories hide what is below). `binds`: host paths bound read-only inside
+    (see `Bind`).
     """
 
     image: str | None = None
@@ -223,10 +309,21 @@ class SandboxConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     hostname: str = "sandbox"
     state_dir: str | None = None
+    layers: tuple[str, ...] = ()
+    binds: tuple[Bind, ...] = ()
 
     def __post_init__(self) -> None:
         if self.image is not None:
             object.__setattr__(self, "image", os.fspath(self.image))  # accept a Path
+        object.__setattr__(self, "layers", check_layers(self.layers))
+        binds = tuple(self.binds)
+        for b in binds:
+            if not isinstance(b, Bind):
+                raise TypeError(f"binds must hold Bind objects, got {type(b).__name__}: {b!r}")
+        targets = [b.target for b in binds]
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"binds: two binds share a target: {sorted(targets)}")
+        object.__setattr__(self, "binds", binds)
         if not isinstance(self.limits, Limits):
             raise TypeError(f"limits must be a Limits, got {type(self.limits).__name__}")
         ports = tuple(self.allow_ports)
@@ -249,6 +346,7 @@ class SandboxConfig:
             "image": self.image, "limits": self.limits.to_dict(),
             "allow_ports": list(self.allow_ports), "workdir": self.workdir,
             "env": dict(self.env), "hostname": self.hostname, "state_dir": self.state_dir,
+            "layers": list(self.layers), "binds": [b.to_dict() for b in self.binds],
         }
 
     @classmethod
@@ -257,5 +355,6 @@ class SandboxConfig:
             image=d.get("image"), limits=Limits.from_dict(d.get("limits", {})),
             allow_ports=tuple(d.get("allow_ports", ())), workdir=d.get("workdir", "/root"),
             env=dict(d.get("env", {})), hostname=d.get("hostname", "sandbox"),
-            state_dir=d.get("state_dir"),
+            state_dir=d.get("state_dir"), layers=tuple(d.get("layers", ())),
+            binds=tuple(Bind.from_dict(b) for b in d.get("binds", ())),
         )
