@@ -109,6 +109,23 @@ def test_fork_inside_an_earlier_prompt() -> None:
     assert len(trie.roots) == 1
 
 
+def test_shared_len_and_path_tails() -> None:
+    calls = [
+        stored(1, "s", "a", None, 0, [1, 2, 3, 4], [5, 6]),
+        stored(2, "s", "b", None, 0, [1, 2, 9, 9], [7]),  # leaves a's path after 2
+        stored(3, "s", "c", "a", 6, [8], [9]),  # extends a: nothing new before 8
+        stored(4, "s", "d", None, 0, [1, 2, 3], [4]),  # a prefix of a's prompt
+        stored(5, "s", "e", None, 0, [7, 7], [1]),  # a new root
+    ]
+    trie = build_trie("s", calls)
+    assert [p.shared_len for p in trie.places] == [0, 2, 6, 3, 0]
+    end = trie.places[2].context_end
+    full = trie.path_ids(end)
+    assert full.tolist() == [1, 2, 3, 4, 5, 6, 8, 9]
+    for start in range(10):
+        assert trie.path_ids(end, start).tolist() == full[start:].tolist()
+
+
 def _brute_model_mask(ctx: np.ndarray, contexts: list[np.ndarray], plens: list[int]) -> list[bool]:
     """Position i of a context is a model token iff some call sampled the token at i
     with the same history: plen_c <= i < lcp(ctx, context_c)."""
@@ -152,6 +169,12 @@ def test_random_sessions_are_rebuilt_exactly(store: LedgerStore, seed: int) -> N
         assert mask == _brute_model_mask(ctx, contexts, plens)
         if p.prompt_end >= 0:
             assert trie.path_ids(p.prompt_end).tolist() == c.prompt_ids.tolist()
+            assert trie.path_ids(p.prompt_end, 2).tolist() == c.prompt_ids[2:].tolist()
+        # shared_len: the prompt's longest common prefix with the earlier contexts
+        earlier = [ctx[: p.prompt_len] for ctx in contexts[: p.index]]
+        lcp = max((int(np.argmax(np.append(e[: len(e)] != c.prompt_ids[: len(e)], True)))
+                   for e in earlier), default=0)
+        assert p.shared_len == min(lcp, p.prompt_len)
     # every node is one run of one source: a single writer call
     for n in trie.nodes:
         assert len(n) > 0

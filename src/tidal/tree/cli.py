@@ -39,6 +39,8 @@ def trees_cmd(
         bool, typer.Option(help="Each summary call becomes its own sample.")
     ] = False,
     strict: Annotated[bool, typer.Option(help="Stop at the first malformed episode.")] = True,
+    infer_compaction: Annotated[bool, typer.Option(
+        help="Type a silent compaction by the summary its fresh context carries.")] = True,
 ) -> None:
     """Rebuild every episode's tree and print its shape, sampled paths, status and reward."""
     from tidal.ledger.store import LedgerStore
@@ -50,6 +52,7 @@ def trees_cmd(
                 st, max_paths=max_paths or None, order=order, seed=seed, incomplete=incomplete,
                 advantage=advantage, normalisation=normalisation,
                 compaction_samples=compaction_samples, strict=strict,
+                infer_compaction=infer_compaction,
             )
     except (TreeError, LedgerError, ValueError) as e:
         _fail(str(e))
@@ -67,7 +70,12 @@ def trees_cmd(
             ep.episode_id, ep.status, "masked" if ep.reward is None else f"{ep.reward:g}",
             str(ep.calls), str(ep.nodes), str(ep.leaves), str(ep.unique_tokens),
             str(ep.path_tokens), f"{ep.dedup_ratio:.2f}",
-            " ".join(f"{k}={v}" for k, v in ep.edges.items()), str(ep.sampled_paths),
+            " ".join(
+                f"{k}={v}" + (f" ({ep.inferred_edges[k]} inferred)" if k in ep.inferred_edges
+                              else "")
+                for k, v in ep.edges.items()
+            ),
+            str(ep.sampled_paths),
         )
     Console().print(table)
 
@@ -79,6 +87,7 @@ def inspect_cmd(
     html_path: Annotated[Path, typer.Option("--html", help="Where to write the HTML page.")],
     max_paths: Annotated[int, typer.Option("--max-paths", "-j")] = 5,
     compaction_samples: Annotated[bool, typer.Option()] = False,
+    infer_compaction: Annotated[bool, typer.Option()] = True,
 ) -> None:
     """Write a self-contained HTML page of one episode's trees."""
     from tidal.ledger.store import LedgerStore
@@ -88,7 +97,8 @@ def inspect_cmd(
     try:
         with LedgerStore(store, readonly=True) as st:
             res = process_store(st, max_paths=max_paths or None, keep_graphs=True,
-                                compaction_samples=compaction_samples)
+                                compaction_samples=compaction_samples,
+                                infer_compaction=infer_compaction)
     except (TreeError, LedgerError, ValueError) as e:
         _fail(str(e))
         return

@@ -9,7 +9,13 @@ context, so it shares no tokens with its parent. Sessions are linked by the
   own session (the first call of a spawned helper);
 - `compaction`: the call links to a call of its own session (the summary call) and its
   prompt does not extend that call's context: the history was replaced; the edge also
-  names the call whose context was replaced (`replaced`: the summary's prefix parent);
+  names the call whose context was replaced (`replaced`: the summary's prefix parent).
+  Without such a link (an opaque harness that compacts silently), a call that extends
+  no earlier context and is no retry gets an *inferred* compaction edge
+  (`Edge.inferred`) when the newest earlier output of its session that its prompt
+  carries is carried as a summary, not as that call's turn re-sent in a history
+  (`tidal.tree.compaction` states the rule); `build_episode(...,
+  infer_compaction=False)` turns that off;
 - `retry`: the prompt equals an earlier call's prompt exactly (a regeneration);
 - `continuation`: the prompt extends an earlier call's context, and that call has no
   other child with a different prompt;
@@ -20,10 +26,14 @@ context, so it shares no tokens with its parent. Sessions are linked by the
   is meant to prevent it, the trie records it faithfully).
 A call with none of these is a root (not counted as an edge).
 
+The inferred compaction is tried before `subagent` too: a later call of a helper
+session that repeats its session link on every call, and starts a fresh context
+carrying its own session's summary, is that helper compacting, not a second spawn.
+
 Deliberately simplified: sibling subagents are typed `subagent` (the session link is
-the more specific fact), not `parallel`; compaction is recognised only through the
-parent link the harness or gateway writes (an opaque harness that replaces its history
-without saying so produces a `fork` or a new root, never a guessed compaction).
+the more specific fact), not `parallel`; an inferred compaction is only recognised by
+token ids (the summary re-sent almost verbatim, `tidal.tree.compaction`): a harness
+that edits or re-flows the summary text still produces a `fork` or a new root.
 """
 
 from __future__ import annotations
@@ -34,7 +44,8 @@ from dataclasses import dataclass
 
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Outcome, StoredCall
-from tidal.tree.trie import SessionTrie, TreeError, build_trie
+from tidal.tree.compaction import CarriedSummaries
+from tidal.tree.trie import CallPlace, SessionTrie, TreeError, build_trie
 
 EDGE_KINDS = ("continuation", "parallel", "subagent", "compaction", "retry", "fork")
 
@@ -72,6 +83,7 @@ class Edge:
     dst_session: str
     dst_call: str
     replaced: str | None = None  # compaction: the call whose context was replaced
+    inferred: bool = False  # compaction found by its carried summary, not a parent link
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,6 +103,11 @@ class EpisodeGraph:
 
     def edge_counts(self) -> dict[str, int]:
         c = Counter(e.kind for e in self.edges)
+        return {k: c[k] for k in EDGE_KINDS if c[k]}
+
+    def inferred_counts(self) -> dict[str, int]:
+        """The edges of `edge_counts` that were inferred, by kind (only compaction)."""
+        c = Counter(e.kind for e in self.edges if e.inferred)
         return {k: c[k] for k in EDGE_KINDS if c[k]}
 
 
@@ -160,12 +177,32 @@ def group_episodes(sessions: Sequence[SessionData]) -> list[list[SessionData]]:
     return out
 
 
-def _session_edges(trie: SessionTrie, call_ids: dict[str, set[str]]) -> list[Edge]:
+def _session_edges(
+    trie: SessionTrie, call_ids: dict[str, set[str]], *, infer_compaction: bool = True
+) -> list[Edge]:
     sid = trie.session_id
     calls = trie.calls
     by_id = {p.call_id: p.index for p in trie.places}
     edges: list[Edge | None] = [None] * len(calls)
     ext_children: dict[int, list[int]] = defaultdict(list)
+    carried: list[CarriedSummaries] = []  # built at the first eligible call
+    used: set[int] = set()  # sources of the compaction edges so far
+
+    def compaction(src: int, p: CallPlace, *, inferred: bool) -> Edge:
+        used.add(src)
+        replaced = trie.places[src].prefix_parent
+        return Edge(
+            "compaction", sid, calls[src].call_id, sid, p.call_id,
+            replaced=calls[replaced].call_id if replaced >= 0 else None, inferred=inferred,
+        )
+
+    def inferred_source(p: CallPlace) -> int:
+        if not infer_compaction or p.index == 0 or p.prefix_parent >= 0 or p.retry_of >= 0:
+            return -1
+        if not carried:
+            carried.append(CarriedSummaries(trie))
+        return carried[0].source(p.index, used)
+
     for p in trie.places:
         c = calls[p.index].call
         where = f"session {sid!r}, call {p.call_id!r}"
@@ -178,7 +215,11 @@ def _session_edges(trie: SessionTrie, call_ids: dict[str, set[str]]) -> list[Edg
                     "(dangling parent link)"
                 )
             if p.prefix_parent < 0 and p.retry_of < 0:
-                edges[p.index] = Edge("subagent", psid, pcid or "", sid, p.call_id)
+                src = inferred_source(p)
+                edges[p.index] = (
+                    compaction(src, p, inferred=True) if src >= 0
+                    else Edge("subagent", psid, pcid or "", sid, p.call_id)
+                )
                 continue
         elif pcid is not None:
             parent = by_id.get(pcid)
@@ -189,16 +230,14 @@ def _session_edges(trie: SessionTrie, call_ids: dict[str, set[str]]) -> list[Edg
                 )
             pp = trie.places[parent]
             if not trie.is_ancestor(pp.context_end, p.prompt_end) and p.retry_of < 0:
-                replaced = pp.prefix_parent
-                edges[p.index] = Edge(
-                    "compaction", sid, pcid, sid, p.call_id,
-                    replaced=calls[replaced].call_id if replaced >= 0 else None,
-                )
+                edges[p.index] = compaction(parent, p, inferred=False)
                 continue
         if p.retry_of >= 0:
             edges[p.index] = Edge("retry", sid, calls[p.retry_of].call_id, sid, p.call_id)
         elif p.prefix_parent >= 0:
             ext_children[p.prefix_parent].append(p.index)
+        elif (src := inferred_source(p)) >= 0:
+            edges[p.index] = compaction(src, p, inferred=True)
         elif p.fork_from >= 0:
             edges[p.index] = Edge("fork", sid, calls[p.fork_from].call_id, sid, p.call_id)
     for parent, kids in ext_children.items():
@@ -209,13 +248,18 @@ def _session_edges(trie: SessionTrie, call_ids: dict[str, set[str]]) -> list[Edg
     return [e for e in edges if e is not None]
 
 
-def build_episode(sessions: Sequence[SessionData]) -> EpisodeGraph:
-    """Build the tries and typed edges of one episode (root session first)."""
+def build_episode(
+    sessions: Sequence[SessionData], *, infer_compaction: bool = True
+) -> EpisodeGraph:
+    """Build the tries and typed edges of one episode (root session first).
+
+    `infer_compaction` (default on): type a silent compaction by the summary its fresh
+    context carries (`tidal.tree.compaction`); off, only parent links make one."""
     tries = [build_trie(s.session_id, s.calls) for s in sessions]
     call_ids = {t.session_id: {p.call_id for p in t.places} for t in tries}
     edges: list[Edge] = []
     for t in tries:
-        edges.extend(_session_edges(t, call_ids))
+        edges.extend(_session_edges(t, call_ids, infer_compaction=infer_compaction))
     depth: dict[str, int] = {sessions[0].session_id: 0}
     for s in sessions[1:]:
         link = s.parent_link

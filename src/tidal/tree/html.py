@@ -5,8 +5,9 @@ that spawned them. Inside a session, trie nodes are rows: a chain of nodes stays
 column; at a branch point the smaller branches open as nested collapsible blocks and the
 largest one continues in the same column (heavy-path layout, so a long main line does
 not indent). Each row is coloured by the role of the call that wrote it, its left border
-by the kind of that call's incoming edge; it shows the node's kind (P: prompt tokens,
-O: model output), the call id and the token count; sampled paths end with a star and
+by the kind of that call's incoming edge (an inferred compaction reads "compaction
+(inferred)"); it shows the node's kind (P: prompt tokens, O: model output), the call
+id and the token count; sampled paths end with a star and
 their reward and advantage. Clicking a row shows its text: output nodes show the call's
 `output_text` and `raw_tool_calls`; prompt nodes show token ids, or text when a `decode`
 callable is given (there is no tokenizer in tidal.tree).
@@ -88,6 +89,9 @@ class _Page:
         self.kind_of: dict[tuple[str, str], str] = {
             (e.dst_session, e.dst_call): e.kind for e in graph.edges
         }
+        self.inferred: set[tuple[str, str]] = {
+            (e.dst_session, e.dst_call) for e in graph.edges if e.inferred
+        }
         self.sampled: dict[tuple[str, str], Branch] = {
             (b.session_id, b.call_id): b for b in branches
         }
@@ -147,6 +151,7 @@ class _Page:
         call = sc.call
         sid = trie.session_id
         kind = self.kind_of.get((sid, call.call_id), "root")
+        label = f"{kind} (inferred)" if (sid, call.call_id) in self.inferred else kind
         key = f"{si}:{ni}"
         colour = ROLE_COLOURS.get(call.role, OTHER_ROLE_COLOUR)
         tag = "O" if n.model else "P"
@@ -160,7 +165,7 @@ class _Page:
         self.out.append(
             f'<div class="row{" model" if n.model else ""}" data-k="{key}" '
             f'style="background:{colour};border-left-color:{EDGE_COLOURS.get(kind, "#000")}">'
-            f"{tag} {_esc(call.call_id)} &middot; {_esc(call.role)} &middot; {_esc(kind)} "
+            f"{tag} {_esc(call.call_id)} &middot; {_esc(call.role)} &middot; {_esc(label)} "
             f"&middot; {len(n)} tok @ {n.depth}{star}</div>"
         )
         parts: list[tuple[str, str]] = []
@@ -177,7 +182,7 @@ class _Page:
         else:
             parts.append((f"token ids{cut}", " ".join(map(str, ids))))
         parts.append(("call", json.dumps({
-            "session": sid, "call": call.call_id, "role": call.role, "edge": kind,
+            "session": sid, "call": call.call_id, "role": call.role, "edge": label,
             "policy_version": call.policy_version, "finish_reason": call.finish_reason,
             "seq": sc.seq, "ends_here": [p.call_id for p in ends],
         }, indent=1)))

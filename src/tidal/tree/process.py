@@ -11,6 +11,8 @@ Pipeline (each step a plain function; `process_sessions` wires them):
    With `compaction_samples`, summary calls leave the session tree and each becomes its
    own sample (prompt = the history being summarised, untrained; trained tokens = the
    summary) whose reward is the episode's outcome, the work that continued from it.
+   The source of a compaction edge (declared or inferred) ranks as a summary
+   (`summary_role`: "main" -> "main_summary") whatever role its harness recorded.
    Subagent sessions whose own outcome is infra_error contribute nothing (counted).
 3. `select_paths`: at most J per episode, by role priority main > main_summary >
    subagent > subagent_summary > other roles (alphabetical), then by `order`:
@@ -153,6 +155,13 @@ def is_summary(role: str) -> bool:
     return role.endswith("_summary")
 
 
+def summary_role(role: str) -> str:
+    """The role a compaction's summary call plays: its recorded role when that already
+    is a summary role, else `<role>_summary` (a harness that compacts silently records
+    its summary call as "main")."""
+    return role if is_summary(role) else f"{role}_summary"
+
+
 def find_candidates(graph: EpisodeGraph, *, compaction_samples: bool) -> CandidateSet:
     """The episode's candidate paths (step 2 of the module docstring), with counts of
     the redundant paths removed and of the subagent sessions masked for infra_error."""
@@ -164,14 +173,17 @@ def find_candidates(graph: EpisodeGraph, *, compaction_samples: bool) -> Candida
             masked += 1
             continue
         excluded: set[int] = set()
+        roles: dict[int, str] = {}
         for p in trie.places:
             c = trie.calls[p.index].call
-            if compaction_samples and (
-                is_summary(c.role) or (sess.session_id, p.call_id) in compaction_src
-            ):
+            src = (sess.session_id, p.call_id) in compaction_src
+            if src:
+                roles[p.index] = summary_role(c.role)
+            if compaction_samples and (is_summary(c.role) or src):
                 excluded.add(p.index)
                 cands.append(_candidate(si, trie, p.index, compaction=True,
-                                        own_reward=_own_reward(c.metadata)))
+                                        own_reward=_own_reward(c.metadata),
+                                        role=roles.get(p.index)))
         ends: dict[int, list[int]] = defaultdict(list)
         for p in trie.places:
             if p.index not in excluded and p.context_end >= 0:
@@ -184,18 +196,18 @@ def find_candidates(graph: EpisodeGraph, *, compaction_samples: bool) -> Candida
             if below[node] and own is None:
                 prefix += 1
                 continue
-            cands.append(_candidate(si, trie, first, own_reward=own))
+            cands.append(_candidate(si, trie, first, own_reward=own, role=roles.get(first)))
     return CandidateSet(tuple(cands), identical, prefix, masked)
 
 
 def _candidate(
     si: int, trie: SessionTrie, index: int, *, compaction: bool = False,
-    own_reward: float | None = None,
+    own_reward: float | None = None, role: str | None = None,
 ) -> Candidate:
     sc = trie.calls[index]
     return Candidate(
         session=si, call=index, session_id=trie.session_id, call_id=sc.call_id,
-        role=sc.call.role, tokens=trie.places[index].context_len, seq=sc.seq,
+        role=role or sc.call.role, tokens=trie.places[index].context_len, seq=sc.seq,
         compaction=compaction, own_reward=own_reward,
     )
 
@@ -466,6 +478,7 @@ class EpisodeReport:
     masked_sessions: int
     trained_tokens: int  # unique tokens of the emitted trees
     error: str | None = None
+    inferred_edges: dict[str, int] = field(default_factory=dict)  # of `edges`, inferred
 
     @property
     def dedup_ratio(self) -> float:
@@ -479,6 +492,7 @@ class EpisodeReport:
             "path_tokens": self.path_tokens,
             "dedup_ratio": round(self.dedup_ratio, 4),
             "edges": self.edges,
+            "inferred_edges": self.inferred_edges,
             "sampled_paths": self.sampled_paths,
             "status": self.status,
             "reward": self.reward,
@@ -516,11 +530,14 @@ def process_sessions(
     compaction_samples: bool = False,
     strict: bool = True,
     keep_graphs: bool = False,
+    infer_compaction: bool = True,
 ) -> ProcessResult:
     """Sessions -> episodes -> TrainTrees and per-episode reports.
 
     With `strict` (default) malformed input raises `TreeError`; otherwise the faulty
-    episode is reported with its error, masked, and the rest is processed."""
+    episode is reported with its error, masked, and the rest is processed.
+    `infer_compaction` (default on) types a silent compaction by the summary its fresh
+    context carries (`tidal.tree.compaction`); off, only parent links make one."""
     for name, val, allowed in (
         ("order", order, ORDERS), ("incomplete", incomplete, INCOMPLETE_POLICIES),
         ("advantage", advantage, ADVANTAGES), ("normalisation", normalisation, NORMALISATIONS),
@@ -532,7 +549,7 @@ def process_sessions(
     groups = group_episodes(sessions)
     for ep in groups:
         try:
-            graphs.append(build_episode(ep))
+            graphs.append(build_episode(ep, infer_compaction=infer_compaction))
             errors.append(None)
         except TreeError as e:
             if strict:
@@ -586,6 +603,7 @@ def process_sessions(
             unique_tokens=sum(t.unique_tokens for t in g.tries),
             path_tokens=sum(t.path_tokens for t in g.tries),
             edges=g.edge_counts(),
+            inferred_edges=g.inferred_counts(),
             candidates=len(cs.candidates),
             sampled_paths=sum(len(t.branches) for t in ep_trees),
             redundant_identical=cs.identical,

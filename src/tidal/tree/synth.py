@@ -8,7 +8,10 @@ shape follows the linking conventions of the gateway:
 - a subagent is its own session whose calls carry parent_session_id / parent_call_id
   (the spawning call); the spawning session continues with the helper's answer;
 - compaction: a summary call (role `<role>_summary`) on the full history, then a fresh
-  context (system prompt + new text) whose first call has parent_call_id = the summary;
+  context (system prompt + new text + the summary's output) whose first call has
+  parent_call_id = the summary; with `declared=False`, as a third-party harness does
+  it: no link, and the summary call recorded with the agent's own role (the processor
+  infers the compaction from the carried summary, `tidal.tree.compaction`);
 - a retry repeats a prompt exactly with a new output.
 
 Deliberately simplified: the "text" of a call is a short description, not a decoding of
@@ -174,11 +177,13 @@ def write_compaction(
     w: SynthWriter, sid: str, *, task_id: str = "task", n_compactions: int = 2,
     calls_per_context: int = 3, prompt_tokens: int = 16, tool_tokens: int = 8,
     out_tokens: int = 4, summary_tokens: int = 6, role: str = "main",
-    parent: Call | None = None,
+    parent: Call | None = None, declared: bool = True,
 ) -> list[Call]:
     """`n_compactions + 1` contexts of `calls_per_context` calls each; between them a
     summary call (role `<role>_summary`) on the full history, then a fresh context
-    (the same system prompt + new text) whose first call links to the summary."""
+    (the same system prompt + new text + the summary) whose first call links to the
+    summary. `declared=False`: no link, and the summary call has role `role` (a silent
+    harness; needs `summary_tokens` >= 9 for the processor to infer the compaction)."""
     system = w.tokens(prompt_tokens // 2)
     calls: list[Call] = []
     up_session = parent.session_id if parent else None
@@ -187,7 +192,7 @@ def write_compaction(
     summary: Call | None = None
     for ctx in range(n_compactions + 1):
         for i in range(calls_per_context):
-            fresh = i == 0 and summary is not None
+            fresh = declared and i == 0 and summary is not None
             c = w.call(
                 sid, f"{sid}-x{ctx}c{i}", role, prompt, out_tokens, task_id=task_id,
                 parent_call_id=summary.call_id if fresh and summary else up_call,
@@ -197,7 +202,7 @@ def write_compaction(
             prompt = np.concatenate([context(c), w.tokens(tool_tokens)])
         if ctx == n_compactions:
             break
-        summary = w.call(sid, f"{sid}-x{ctx}sum", f"{role}_summary",
+        summary = w.call(sid, f"{sid}-x{ctx}sum", f"{role}_summary" if declared else role,
                          np.concatenate([context(calls[-1]), w.tokens(4)]), summary_tokens,
                          task_id=task_id, parent_call_id=up_call, parent_session_id=up_session,
                          text=f"summary {ctx}")
@@ -227,7 +232,8 @@ class LongSessionSpec:
     """Shape of `write_long_session`: `n_calls` calls in all (main + helpers), about
     `tokens` stored tokens; every `subagent_every`-th main call spawns a helper session
     of `subagent_calls` calls, every `parallel_every`-th runs `parallel_width` parallel
-    calls, every `compaction_every`-th compacts (summary + fresh context)."""
+    calls, every `compaction_every`-th compacts (summary + fresh context); with
+    `declared=False` silently (no parent link, the summary call recorded as "main")."""
 
     n_calls: int = 500
     tokens: int = 1_000_000
@@ -241,6 +247,7 @@ class LongSessionSpec:
     reward: float = 1.0
     partial_score: float = 0.5
     roles: tuple[str, ...] = field(default=("main", "subagent"))
+    declared: bool = True
 
 
 def write_long_session(
@@ -285,11 +292,11 @@ def write_long_session(
                 written += 1
         if spec.compaction_every and i % spec.compaction_every == spec.compaction_every - 1 \
                 and written < spec.n_calls:
-            s = w.call(sid, f"{sid}-m{i}sum", "main_summary",
+            s = w.call(sid, f"{sid}-m{i}sum", "main_summary" if spec.declared else "main",
                        np.concatenate([ctx, w.tokens(32)]), spec.out_tokens, base_hint=c.call_id)
             written += 1
             prompt = np.concatenate([system, s.output_ids, w.tokens(per_call)])
-            link = s.call_id
+            link = s.call_id if spec.declared else None
             last = None
         else:
             prompt = np.concatenate([ctx, w.tokens(per_call)])

@@ -75,7 +75,10 @@ class CallPlace:
     earlier call whose whole context is a prefix of this call's prompt (the deepest one),
     `retry_of` the first earlier call with exactly the same prompt, `fork_from` the call
     that wrote the run this call's prompt branches off (when it extends no earlier
-    context). All are call indices, -1 when none.
+    context). All are call indices, -1 when none. `shared_len` is how many leading
+    prompt tokens earlier calls' paths already held (the prompt's longest common prefix
+    with the trie as it was before this call; the prompt length when it adds nothing):
+    where the call's own new prompt tokens start.
     """
 
     index: int
@@ -87,6 +90,7 @@ class CallPlace:
     prefix_parent: int
     retry_of: int
     fork_from: int
+    shared_len: int = 0  # the builder always sets it
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,9 +124,21 @@ class SessionTrie:
             node = self.nodes[node].parent
         return out[::-1]
 
-    def path_ids(self, node: int) -> IdArray:
-        """The tokens from the root to the end of `node`."""
-        parts = [self.nodes[i].token_ids for i in self.path(node)]
+    def path_ids(self, node: int, start: int = 0) -> IdArray:
+        """The tokens from the root (or from path position `start`) to the end of `node`.
+
+        Walks up only as far as `start`, so a path's tail costs its own length plus the
+        nodes it spans, not the whole path."""
+        parts: list[IdArray] = []
+        while node != -1:
+            n = self.nodes[node]
+            if n.end <= start:
+                break
+            parts.append(n.token_ids[max(0, start - n.depth):])
+            if n.depth <= start:
+                break
+            node = n.parent
+        parts.reverse()
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
     def is_ancestor(self, anc: int, node: int) -> bool:
@@ -303,6 +319,13 @@ class _Builder:
         pend = self._boundary(node, off)
         retry_of = self.prompt_owner.setdefault(id(pend), index)
         prefix_parent, fork_from = self._prefix_parent(pend, index)
+        # The nodes this call's prompt created are the bottom of its prompt path (no
+        # output has upgraded them yet): the shared prefix ends where they start.
+        shared_len = delta.prompt_len
+        nd: _Node | None = pend
+        while nd is not None and nd is not self.root and nd.call == index:
+            shared_len = nd.depth
+            nd = nd.parent
         node, off = self._match(pend, int(pend.tokens.shape[0]), out, call=index, logprobs=lps,
                                 pv=sc.call.policy_version)
         cend = self._boundary(node, off)
@@ -319,6 +342,7 @@ class _Builder:
             prefix_parent=prefix_parent,
             retry_of=-1 if retry_of == index else retry_of,
             fork_from=fork_from,
+            shared_len=shared_len,
         )
 
     def _prefix_parent(self, pend: _Node, index: int) -> tuple[int, int]:
@@ -367,6 +391,7 @@ class _Builder:
                 prefix_parent=p.prefix_parent,
                 retry_of=p.retry_of,
                 fork_from=p.fork_from,
+                shared_len=p.shared_len,
             )
             for p in places
         )
