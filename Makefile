@@ -6,6 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 
 VLLM_STAMP := .venv-vllm/.tidal-vllm-ok
+MINI_STAMP := .venv-mini/.tidal-mini-ok
 
 .PHONY: run test setup lint
 
@@ -26,5 +27,9 @@ lint: $(STAMP)
 $(VLLM_STAMP): .ci/vllm-venv.sh
 	bash .ci/vllm-venv.sh
 
-test: lint $(VLLM_STAMP)
+# mini-swe-agent in its own venv on the sandbox's python, for tests/run/test_workload.py
+$(MINI_STAMP): .ci/mini-venv.sh
+	bash .ci/mini-venv.sh
+
+test: lint $(VLLM_STAMP) $(MINI_STAMP)
 	$(VENV)/bin/pytest

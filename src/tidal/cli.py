@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typer
 
+from tidal.agent.cli import tasks_app
 from tidal.gateway.cli import serve, verify
 from tidal.ledger.cli import ledger_app
 from tidal.run.cli import report_cmd, run_cmd
@@ -30,6 +31,7 @@ app.command("inspect")(inspect_cmd)
 app.command("simulate")(simulate)
 app.add_typer(ledger_app, name="ledger")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(tasks_app, name="tasks")
 
 
 def main() -> None:

@@ -332,7 +332,7 @@ def test_run_episode_prepares_runs_and_grades_with_partial_credit(
 ) -> None:
     server, url = scripted
     task = next(t for t in digits_taskset().heldout if t.family == "reverse")
-    wrong = task.checks[1].expected[::-1] + "0"  # type: ignore[union-attr]
+    wrong = task.grader.checks[1].expected[::-1] + "0"  # type: ignore[union-attr]
     server.reset(
         script(
             Reply(tool_calls=[tc("write_file", path="answer.txt", content=wrong)]),
@@ -369,7 +369,7 @@ def test_replaying_demonstrations_through_the_harness_solves_every_tools_task(
         root.mkdir()
         result, grade = run_episode(url, "m", task, LocalDirRuntime(root), AgentConfig())
         assert result.status == "complete" and grade.success, task.task_id
-        assert len(result.subagents) == (1 if task.family == "subagent" else 0)
+        assert len(result.sessions) == (2 if task.family == "subagent" else 1)
         last_main = [s for s in server.seen if s.role == "main"][-1]
         sent = [m.get("content") for m in last_main.messages if m["role"] in ("user", "tool")]
         want = [

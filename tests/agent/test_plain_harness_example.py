@@ -30,7 +30,9 @@ def test_plain_harness_uses_one_session_url_and_writes_the_answer(
         return Reply(tool_calls=[tc("finish", answer="174")])
 
     server.reset(responder)
-    session_id, answer = load_example().run(url, "tiny", "Write 471 reversed.", tmp_path)
+    session_id = "plain-1"
+    answer = load_example().run(f"{url}/sessions/{session_id}/v1", "tiny",
+                                "Write 471 reversed.", tmp_path)
     assert answer == "174"
     assert (tmp_path / "answer.txt").read_text() == "174"
     assert [s.session_id for s in server.seen] == [session_id, session_id]

@@ -10,6 +10,7 @@ import pytest
 from tidal.agent.runtime import LocalDirRuntime
 from tidal.agent.tasks import (
     TEACHERS,
+    FileChecks,
     FileContains,
     FileEquals,
     FileExists,
@@ -36,9 +37,9 @@ def test_digits_split_is_disjoint_by_number_and_answers_are_right() -> None:
     assert len(ts.train) == 3 * 870 and len(ts.heldout) == 3 * 30
     by_id = {t.task_id: t for t in ts.train + ts.heldout}
     assert by_id["reverse-471"].prompt == "Write 471 reversed to answer.txt."
-    assert by_id["reverse-471"].checks[1] == FileEquals("answer.txt", "174")
-    assert by_id["max-471"].checks[1] == FileEquals("answer.txt", "7")
-    assert by_id["copy-471"].checks[1] == FileEquals("answer.txt", "471")
+    assert by_id["reverse-471"].grader.checks[1] == FileEquals("answer.txt", "174")
+    assert by_id["max-471"].grader.checks[1] == FileEquals("answer.txt", "7")
+    assert by_id["copy-471"].grader.checks[1] == FileEquals("answer.txt", "471")
     assert digits_taskset(seed=1).heldout != ts.heldout
 
 
@@ -48,19 +49,21 @@ def test_unknown_task_set_or_family_is_a_clear_error() -> None:
     with pytest.raises(TaskError, match="unknown digits family 'sum'"):
         digits_taskset(families=("sum",))
     with pytest.raises(TaskError, match="at least one check"):
-        Task("t", "p", ())
+        Task("t", "p", FileChecks(()))
+    with pytest.raises(TaskError, match="has no grade"):
+        Task("t", "p", ())  # type: ignore[arg-type]
 
 
 def test_grade_gives_partial_credit_from_the_files(runtime: LocalDirRuntime) -> None:
     task = Task(
         "t",
         "p",
-        (
+        FileChecks((
             FileExists("a.txt"),
             FileEquals("a.txt", "42"),
             FileContains("log.txt", "ok"),
             FileExists("missing.txt"),
-        ),
+        )),
     )
     assert grade(task, runtime).reward == 0.0
     runtime.write_file("a.txt", "41\n")
@@ -113,7 +116,7 @@ def test_every_demonstration_solves_its_task(runtime: LocalDirRuntime, tmp_path)
 def test_demonstration_tool_results_are_real() -> None:
     task = next(t for t in tools_taskset().train if t.family == "bash")
     msgs = demonstrations(task)[0].messages
-    n = task.checks[1].expected  # type: ignore[union-attr]
+    n = task.grader.checks[1].expected  # type: ignore[union-attr]
     assert msgs[3] == {"role": "tool", "tool_call_id": "call_0", "content": f"exit code 0\n{n}"}
     assert msgs[-1]["tool_calls"][0]["function"] == {"name": "finish", "arguments": {"answer": n}}
 
@@ -123,7 +126,7 @@ def test_subagent_task_has_a_subagent_demonstration() -> None:
     main, sub = demonstrations(task)
     assert main.role == "main" and sub.role == "subagent"
     assert "spawn_subagent" not in sub.tools and "spawn_subagent" in main.tools
-    answer = task.checks[1].expected  # type: ignore[union-attr]
+    answer = task.grader.checks[1].expected  # type: ignore[union-attr]
     assert main.messages[3]["content"] == answer  # the helper's answer is the tool result
     assert sub.messages[-1]["tool_calls"][0]["function"]["arguments"] == {"answer": answer}
 
@@ -166,21 +169,22 @@ def test_files_set_holds_out_unseen_combinations_of_seen_parts() -> None:
     combos = {t.prompt for t in ts.train}
     assert len(ts.train) == 128 and len(ts.heldout) == 32
     assert not combos & {t.prompt for t in ts.heldout}
-    train_digits = {t.checks[1].expected for t in ts.train}  # type: ignore[union-attr]
-    train_paths = {t.checks[0].path for t in ts.train}
+    train_digits = {t.grader.checks[1].expected for t in ts.train}  # type: ignore[union-attr]
+    train_paths = {t.grader.checks[0].path for t in ts.train}
     for t in ts.heldout:
-        assert t.checks[1].expected in train_digits and t.checks[0].path in train_paths  # type: ignore[union-attr]
+        checks = t.grader.checks  # type: ignore[attr-defined]
+        assert checks[1].expected in train_digits and checks[0].path in train_paths
     task = next(t for t in ts.train + ts.heldout if t.task_id == "file-cat-7")
     assert task.prompt == "Write 7 to cat.txt."
-    assert task.checks == (FileExists("cat.txt"), FileEquals("cat.txt", "7"))
+    assert task.grader.checks == (FileExists("cat.txt"), FileEquals("cat.txt", "7"))
 
 
 def test_files_partial_credit_for_the_right_file_with_the_wrong_digit(
     runtime: LocalDirRuntime,
 ) -> None:
     task = load_taskset("files").heldout[0]
-    path = task.checks[0].path
-    runtime.write_file("other.txt", task.checks[1].expected)  # type: ignore[union-attr]
+    path = task.grader.checks[0].path
+    runtime.write_file("other.txt", task.grader.checks[1].expected)  # type: ignore[union-attr]
     assert grade(task, runtime).reward == 0.0
     runtime.write_file(path, "x")
     assert grade(task, runtime).reward == 0.5
@@ -202,8 +206,8 @@ def test_mixed_teacher_adds_a_sloppy_solution_the_grader_rejects(tmp_path: Path)
     mixed = taught(tasks, "mixed")
     assert mixed[:3] == tasks and len(mixed) == 6
     for i, (task, sloppy) in enumerate(zip(tasks, mixed[3:], strict=True)):
-        assert sloppy.prompt == task.prompt and sloppy.checks == task.checks
-        want = task.checks[1].expected  # type: ignore[union-attr]
+        assert sloppy.prompt == task.prompt and sloppy.grader == task.grader
+        want = task.grader.checks[1].expected  # type: ignore[union-attr]
         writes = [
             call["function"]["arguments"]
             for msg in demonstrations(sloppy)[0].messages

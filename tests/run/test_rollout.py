@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 
 from tests.gateway.scripted_engine import ScriptedEngine
-from tidal.agent.harness import AgentConfig
+from tidal.agent.harness import AgentConfig, BuiltinHarness
 from tidal.agent.tasks import files_taskset
 from tidal.engine.tiny import ensure_tiny, load_tokenizer
 from tidal.gateway.server import GatewayServer
 from tidal.ledger import LedgerStore
-from tidal.run.rollout import Rollouts, local_runtime
+from tidal.run.components import local_runtime
+from tidal.run.rollout import Rollouts
 
 SOLVE = (
     '<tool_call>\n{{"name": "write_file", "arguments": {{"path": "{path}", "content": "{d}"}}}}'
@@ -39,7 +40,7 @@ def live(tmp_path: Path) -> Iterator[tuple[GatewayServer, ScriptedEngine, Ledger
 
 def _rollouts(srv: GatewayServer, store: LedgerStore, **kw: Any) -> Rollouts:
     cfg = AgentConfig(max_turns=4, tools=("write_file", "finish"))
-    return Rollouts(srv.base_url, "scripted", cfg, local_runtime, store, **kw)
+    return Rollouts(srv.base_url, "scripted", BuiltinHarness(cfg), local_runtime, store, **kw)
 
 
 @pytest.mark.parametrize("forget", [True, False])

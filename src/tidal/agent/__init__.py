@@ -1,23 +1,40 @@
-"""tidal.agent: the built-in agent harness, its tools, and task sets with graders.
+"""tidal.agent: harnesses, their runtimes, tasks and graders.
 
-- `run_agent` / `run_episode` (harness.py): the tool-calling loop over an
-  OpenAI-compatible endpoint (the gateway), with subagents, parallel tool calls,
-  compaction and explicit end statuses.
-- `ToolRuntime` / `LocalDirRuntime` (runtime.py): what the harness needs from an
-  environment, and an unisolated local stand-in for tests and demos.
+- `Harness`, `EpisodeContext`, `HarnessResult`, `run_task` (episode.py): the seam any
+  harness fills; `CommandHarness` (command.py): any program, run in the sandbox.
+- `run_agent` / `run_episode` / `BuiltinHarness` (harness.py): the built-in tool-calling
+  loop over an OpenAI-compatible endpoint (the gateway), with subagents, parallel tool
+  calls, compaction and explicit end statuses.
+- `harbor.py`: tasks in the Harbor format (Terminal-Bench 2) and their test.sh grader;
+  `environment.py`: a task's environment built into its episodes' sandbox config;
+  `taskcheck.py` / `cli.py`: `tidal tasks check`.
+- `ToolRuntime` / `LocalDirRuntime` (runtime.py): what harnesses and graders need from
+  an environment, and an unisolated local stand-in for tests and demos;
+  `SandboxRuntime` (sandboxed.py): the same on a real sandbox.
 - `endpoint.py`: the session URL and headers (the only wire format the gateway needs).
-- `tasks.py`: task sets (`load_taskset`), `grade` (partial credit), `demonstrations`
-  (and `taught`: which solutions the warm start imitates).
+- `tasks.py`: `Task`, the `Grader` seam and `FileChecks`, built-in task sets
+  (`load_taskset`), `demonstrations` (and `taught`: which solutions the warm start
+  imitates).
 """
 
 from tidal.agent.endpoint import SpawnLink, new_session_id, request_headers, session_base_url
-from tidal.agent.harness import AgentConfig, AgentResult, SessionStatus, run_agent, run_episode
+from tidal.agent.episode import (
+    EpisodeContext,
+    FunctionHarness,
+    Harness,
+    HarnessResult,
+    SessionStatus,
+    run_task,
+)
+from tidal.agent.harness import AgentConfig, AgentResult, BuiltinHarness, run_agent, run_episode
 from tidal.agent.runtime import ExecResult, LocalDirRuntime, RuntimeToolError, ToolRuntime
 from tidal.agent.tasks import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_TASKSET,
     Demonstration,
+    FileChecks,
     Grade,
+    Grader,
     Task,
     TaskError,
     TaskSet,
@@ -35,9 +52,16 @@ __all__ = [
     "DEFAULT_TASKSET",
     "AgentConfig",
     "AgentResult",
+    "BuiltinHarness",
     "Demonstration",
+    "EpisodeContext",
     "ExecResult",
+    "FileChecks",
+    "FunctionHarness",
     "Grade",
+    "Grader",
+    "Harness",
+    "HarnessResult",
     "LocalDirRuntime",
     "RuntimeToolError",
     "SessionStatus",
@@ -55,6 +79,7 @@ __all__ = [
     "request_headers",
     "run_agent",
     "run_episode",
+    "run_task",
     "session_base_url",
     "taught",
     "tool_schemas",

@@ -40,12 +40,17 @@ def new_session_id(prefix: str = "s") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def session_base_url(gateway_url: str, session_id: str, spawn: SpawnLink | None = None) -> str:
+def session_base_url(
+    gateway_url: str, session_id: str, spawn: SpawnLink | None = None, *,
+    task_id: str | None = None,
+) -> str:
     """The OpenAI base URL of one session, e.g. http://127.0.0.1:8000/sessions/s-1/v1.
 
     A subagent's URL also names its spawning call and that call's session, as the
     gateway's (name, value) path parts (docs/gateway.md):
     `.../sessions/{sub_id}/parent/{parent_call_id}/parent-session/{parent_session_id}/v1`.
+    With `task_id` the URL names the task too (`.../sessions/{id}/task/{task}/v1`), so a
+    harness that sends no tidal header is still grouped by task.
     """
     root = gateway_url.rstrip("/")
     if not root.startswith(("http://", "https://")):
@@ -54,15 +59,17 @@ def session_base_url(gateway_url: str, session_id: str, spawn: SpawnLink | None 
     if spawn is not None:
         parts["parent_session_id"] = spawn.parent_session_id
         parts["parent_call_id"] = spawn.parent_call_id
+    if task_id is not None:
+        parts["task_id"] = task_id
     for name, value in parts.items():
-        if not value or any(c in value for c in "/?#"):
+        if not value or any(c in value for c in "/?#% "):
             raise ValueError(f"{name} must be non-empty and URL-path safe, got {value!r}")
-    if spawn is None:
-        return f"{root}/sessions/{session_id}/v1"
-    return (
-        f"{root}/sessions/{session_id}/parent/{spawn.parent_call_id}"
-        f"/parent-session/{spawn.parent_session_id}/v1"
-    )
+    url = f"{root}/sessions/{session_id}"
+    if spawn is not None:
+        url += f"/parent/{spawn.parent_call_id}/parent-session/{spawn.parent_session_id}"
+    if task_id is not None:
+        url += f"/task/{task_id}"
+    return url + "/v1"
 
 
 def request_headers(

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import openai
 from openai import OpenAI
@@ -53,8 +53,9 @@ from tidal.agent.endpoint import (
     request_headers,
     session_base_url,
 )
+from tidal.agent.episode import EpisodeContext, HarnessResult, SessionStatus, run_task
 from tidal.agent.runtime import ToolRuntime
-from tidal.agent.tasks import DEFAULT_SYSTEM_PROMPT, Grade, Task, grade, prepare
+from tidal.agent.tasks import DEFAULT_SYSTEM_PROMPT, Grade, Task
 from tidal.agent.tools import (
     ALL_TOOLS,
     FINISH,
@@ -65,7 +66,6 @@ from tidal.agent.tools import (
     tool_schemas,
 )
 
-SessionStatus = Literal["complete", "truncated", "timeout", "aborted", "infra_error"]
 ClientFactory = Callable[[str], OpenAI]
 
 NUDGE = "Call a tool. When the task is done, call finish with your answer."
@@ -396,6 +396,29 @@ def run_agent(
     ).run()
 
 
+@dataclass(frozen=True)
+class BuiltinHarness:
+    """The built-in loop as a `Harness` (`[agent] harness = "builtin"`): the episode's
+    time limit replaces `config.time_limit_s`; every session it runs (subagents too)
+    reports its own status."""
+
+    config: AgentConfig = field(default_factory=AgentConfig)
+    client_factory: ClientFactory | None = None
+
+    def run(self, ctx: EpisodeContext) -> HarnessResult:
+        result = run_agent(
+            ctx.gateway_url, ctx.model, ctx.task.prompt, ctx.runtime,
+            replace(self.config, time_limit_s=max(ctx.remaining(), 1e-3)),
+            task_id=ctx.task.task_id, session_id=ctx.session_id,
+            client_factory=self.client_factory,
+        )
+        return HarnessResult(
+            status=result.status, error=result.error,
+            sessions={r.session_id: (r.status, r.error) for r in result.all_sessions()},
+            finished=result.status == "complete",
+        )
+
+
 def run_episode(
     gateway_url: str,
     model: str,
@@ -405,12 +428,10 @@ def run_episode(
     *,
     session_id: str | None = None,
     client_factory: ClientFactory | None = None,
-) -> tuple[AgentResult, Grade]:
-    """Prepare a fresh runtime for `task`, run the agent, grade the files it left and
-    whether it ended the session by calling finish."""
-    prepare(task, runtime)
-    result = run_agent(
-        gateway_url, model, task.prompt, runtime, config,
-        task_id=task.task_id, session_id=session_id, client_factory=client_factory,
-    )  # fmt: skip
-    return result, grade(task, runtime, finished=result.status == "complete")
+) -> tuple[HarnessResult, Grade]:
+    """The built-in harness on one task: prepare a fresh runtime for `task`, run the
+    agent, grade what it left (and, for file checks, whether it called finish)."""
+    config = config or AgentConfig()
+    ctx = EpisodeContext(gateway_url, session_id or new_session_id(), model, task, runtime,
+                         task.time_limit_s or config.time_limit_s)
+    return run_task(BuiltinHarness(config, client_factory), ctx)

@@ -21,8 +21,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -47,18 +49,26 @@ class ExecResult:
 class ToolRuntime(Protocol):
     """An environment the agent acts in: a shell and a file system.
 
-    Contract: `read_file` raises `FileNotFoundError` when the file does not exist (the
-    graders rely on that to fail a check instead of erroring); `list` returns the
-    entry names of a directory, sorted, directories suffixed with "/".
+    Contract: `exec` runs `command` with the runtime's shell in its working directory,
+    with `env` added to the runtime's own variables; `read_file` raises
+    `FileNotFoundError` when the file does not exist (the graders rely on that to fail a
+    check instead of erroring); `list` returns the entry names of a directory, sorted,
+    directories suffixed with "/"; `upload` copies a host file or directory tree (its
+    contents, executable bits kept) to `dest` in the runtime (how a test.sh grader puts
+    tests/ at /tests).
     """
 
-    def exec(self, command: str, timeout_s: float) -> ExecResult: ...
+    def exec(
+        self, command: str, timeout_s: float, *, env: Mapping[str, str] | None = None
+    ) -> ExecResult: ...
 
     def read_file(self, path: str) -> str: ...
 
     def write_file(self, path: str, text: str) -> None: ...
 
     def list(self, path: str) -> builtins.list[str]: ...
+
+    def upload(self, src: Path, dest: str) -> None: ...
 
 
 def _cap(text: str, cap: int) -> tuple[str, bool]:
@@ -90,7 +100,9 @@ class LocalDirRuntime:
             raise RuntimeToolError(f"path {path!r} leaves the runtime's root directory")
         return host
 
-    def exec(self, command: str, timeout_s: float) -> ExecResult:
+    def exec(
+        self, command: str, timeout_s: float, *, env: Mapping[str, str] | None = None
+    ) -> ExecResult:
         if not isinstance(command, str) or not command.strip():
             raise RuntimeToolError("command must be a non-empty string")
         if not timeout_s > 0:
@@ -102,7 +114,7 @@ class LocalDirRuntime:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # own process group, so a timeout kills its children
-            env={**os.environ, "HOME": str(self.root), "PWD": str(self.root)},
+            env={**os.environ, "HOME": str(self.root), "PWD": str(self.root), **(env or {})},
         )
         timed_out = False
         try:
@@ -141,3 +153,14 @@ class LocalDirRuntime:
         if not host.is_dir():
             raise RuntimeToolError(f"{path!r} is a file, not a directory")
         return sorted(p.name + ("/" if p.is_dir() else "") for p in host.iterdir())
+
+    def upload(self, src: Path, dest: str) -> None:
+        host = self.resolve(dest)
+        src = Path(src)
+        if src.is_dir():
+            shutil.copytree(src, host, dirs_exist_ok=True, symlinks=True)
+        elif src.is_file():
+            host.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, host)
+        else:
+            raise FileNotFoundError(f"cannot upload {src}: no such file or directory")

@@ -1,12 +1,19 @@
-"""Built-in task sets, graders with partial credit, and demonstrations for a warm start.
+"""Tasks, the grader seam, built-in task sets, and demonstrations for a warm start.
 
 A `Task` is a prompt, files to place in the runtime before the episode (`setup_files`),
-file checks that grade it, and an ideal solution (the tool calls, turn by turn) from
-which `demonstrations` builds the supervised warm-start conversations.
+a `Grader` that turns the runtime the episode left into a `Grade`, optionally the
+environment its sandbox is built from (`environment`, for tasks in the Harbor format:
+`tidal.agent.harbor`), and an ideal solution (the tool calls, turn by turn) from which
+`demonstrations` builds the supervised warm-start conversations.
 
-Grading inspects only the runtime's files after the episode: reward = fraction of
-checks passed, so a session that times out or is truncated keeps the credit for what it
-did (e.g. the file exists but holds the wrong text: 0.5).
+Graders (the `Grader` protocol: `grade(runtime, finished=...) -> Grade`):
+- `FileChecks`, the built-in sets' grader: it inspects only the runtime's files after
+  the episode: reward = fraction of checks passed, so a session that times out or is
+  truncated keeps the credit for what it did (e.g. the file exists but holds the wrong
+  text: 0.5);
+- `tidal.agent.harbor.TestScript`: a task's tests/test.sh, run in the episode's sandbox.
+A grader that cannot grade (a test script that writes no reward) returns a `Grade` with
+`error` set: the session is masked, never punished, and counted.
 
 Built-in sets (`load_taskset(name)`):
 - `files` (the default): "Write 7 to cat.txt.": one `write_file` call, then `finish`.
@@ -52,7 +59,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from tidal.agent.runtime import LocalDirRuntime, ToolRuntime
 from tidal.agent.tools import (
@@ -121,19 +128,88 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Grade:
+    """reward = partial_score = what the grader gave (for file checks: the fraction of
+    checks passed); details: check -> passed; by_kind: fraction passed of each kind of
+    check (exists, equals, contains, finished; `tests` for a test script), which says
+    across tasks what an agent gets right and what it misses. `error`, when set, says
+    why the grader could not grade (the session is then masked); `extra` holds what the
+    grader reported beyond the reward (a test script's reward.json numbers, its output)."""
+
+    reward: float
+    partial_score: float
+    details: dict[str, bool]
+    by_kind: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        return self.error is None and all(self.details.values()) and self.reward >= 1.0
+
+
+@runtime_checkable
+class Grader(Protocol):
+    """Grades an episode from the runtime it left. `finished` says whether the agent
+    ended the session itself (the built-in harness's `finish`; None when unknown);
+    graders that judge only the outcome ignore it. Never raises for what the agent did:
+    a grader that cannot grade returns a `Grade` with `error` set."""
+
+    def grade(self, runtime: ToolRuntime, *, finished: bool | None = None) -> Grade: ...
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """How a task's sandbox is made (the Harbor `[environment]` table and `environment/`
+    directory): a Dockerfile and its build context, or a prebuilt `docker_image`
+    reference (mapped to a local image directory by the run's `[environment] images`);
+    the working directory of every command (None: the Dockerfile's last WORKDIR, else
+    /app) and their variables; resources."""
+
+    dockerfile: Path | None = None
+    context: Path | None = None
+    docker_image: str | None = None
+    workdir: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    allow_internet: bool = False
+    build_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """A task's reference solution as a script: `directory/solve.sh`, run from the
+    working directory with `env` (Harbor's solution/ and `[solution] env`)."""
+
+    directory: Path
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Task:
+    """One task. `time_limit_s`, when set, is the task's own wall-clock limit for the
+    agent (Harbor's `[agent] timeout_sec`); `oracle` its reference solution script;
+    `source` the directory it was read from."""
+
     task_id: str
     prompt: str
-    checks: tuple[Check, ...]
+    grader: Grader
     setup_files: Mapping[str, str] = field(default_factory=dict)
     solution: tuple[tuple[Step, ...], ...] = ()  # turns of ideal tool calls; last is finish
     family: str = ""
+    environment: EnvironmentSpec | None = None
+    time_limit_s: float | None = None
+    oracle: Oracle | None = None
+    source: Path | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.task_id or not self.prompt.strip():
             raise TaskError(f"task {self.task_id!r}: task_id and prompt must be non-empty")
-        if not self.checks:
-            raise TaskError(f"task {self.task_id!r}: needs at least one check")
+        if not isinstance(self.grader, Grader):
+            raise TaskError(f"task {self.task_id!r}: grader {self.grader!r} has no grade()")
         if self.solution and [s.name for s in self.solution[-1]] != [FINISH]:
             raise TaskError(f"task {self.task_id!r}: the solution's last turn must be finish")
 
@@ -150,22 +226,6 @@ class TaskSet:
             raise TaskError(f"task set {self.name!r}: task ids are not unique")
         if not self.train or not self.heldout:
             raise TaskError(f"task set {self.name!r}: train and heldout must be non-empty")
-
-
-@dataclass(frozen=True)
-class Grade:
-    """reward = partial_score = fraction of checks passed; details: check -> passed;
-    by_kind: fraction passed of each kind of check (exists, equals, contains, finished),
-    which says across tasks what an agent gets right and what it misses."""
-
-    reward: float
-    partial_score: float
-    details: dict[str, bool]
-    by_kind: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def success(self) -> bool:
-        return all(self.details.values())
 
 
 def prepare(task: Task, runtime: ToolRuntime) -> None:
@@ -195,24 +255,38 @@ def check_passes(check: Check, runtime: ToolRuntime) -> bool:
 FINISHED = "called finish"
 
 
+@dataclass(frozen=True)
+class FileChecks:
+    """The built-in grader: file checks, and with `finished` (did the agent end the
+    session by calling finish?) one more check. Without it, a policy loses nothing by
+    never finishing, and RL learns to let sessions run out of turns."""
+
+    checks: tuple[Check, ...]
+
+    def __post_init__(self) -> None:
+        if not self.checks:
+            raise TaskError("FileChecks needs at least one check")
+
+    def grade(self, runtime: ToolRuntime, *, finished: bool | None = None) -> Grade:
+        passed = [(c.kind, c.describe(), check_passes(c, runtime)) for c in self.checks]
+        if finished is not None:
+            passed.append(("finished", FINISHED, finished))
+        details = {name: ok for _, name, ok in passed}
+        kinds: dict[str, list[bool]] = {}
+        for kind, _, ok in passed:
+            kinds.setdefault(kind, []).append(ok)
+        score = sum(details.values()) / len(details)
+        return Grade(
+            reward=score,
+            partial_score=score,
+            details=details,
+            by_kind={k: sum(v) / len(v) for k, v in kinds.items()},
+        )
+
+
 def grade(task: Task, runtime: ToolRuntime, *, finished: bool | None = None) -> Grade:
-    """Grade an episode by the files in its runtime; with `finished` (did the agent end
-    the session by calling finish?), that is one more check. Without it, a policy loses
-    nothing by never finishing, and RL learns to let sessions run out of turns."""
-    passed = [(c.kind, c.describe(), check_passes(c, runtime)) for c in task.checks]
-    if finished is not None:
-        passed.append(("finished", FINISHED, finished))
-    details = {name: ok for _, name, ok in passed}
-    kinds: dict[str, list[bool]] = {}
-    for kind, _, ok in passed:
-        kinds.setdefault(kind, []).append(ok)
-    score = sum(details.values()) / len(details)
-    return Grade(
-        reward=score,
-        partial_score=score,
-        details=details,
-        by_kind={k: sum(v) / len(v) for k, v in kinds.items()},
-    )
+    """Grade an episode with its task's grader."""
+    return task.grader.grade(runtime, finished=finished)
 
 
 # --------------------------------------------------------------------------- demonstrations
@@ -358,7 +432,7 @@ def _answer_task(task_id: str, prompt: str, answer: str, family: str) -> Task:
     return Task(
         task_id=task_id,
         prompt=prompt,
-        checks=(FileExists("answer.txt"), FileEquals("answer.txt", answer)),
+        grader=FileChecks((FileExists("answer.txt"), FileEquals("answer.txt", answer))),
         solution=(
             (Step(WRITE_FILE, {"path": "answer.txt", "content": answer}),),
             (Step(FINISH, {"answer": answer}),),
@@ -421,7 +495,7 @@ def files_taskset(*, seed: int = 0, heldout_fraction: float = 0.2) -> TaskSet:
         return Task(
             task_id=f"file-{w}-{d}",
             prompt=f"Write {d} to {path}.",
-            checks=(FileExists(path), FileEquals(path, d)),
+            grader=FileChecks((FileExists(path), FileEquals(path, d))),
             solution=(
                 (Step(WRITE_FILE, {"path": path, "content": d}),),
                 (Step(FINISH, {"answer": d}),),
@@ -441,7 +515,7 @@ def count_lines_task(task_id: str, n_lines: int) -> Task:
     return Task(
         task_id=task_id,
         prompt="Count the lines in data.txt and write the count to answer.txt.",
-        checks=(FileExists("answer.txt"), FileEquals("answer.txt", str(n_lines))),
+        grader=FileChecks((FileExists("answer.txt"), FileEquals("answer.txt", str(n_lines)))),
         setup_files={"data.txt": data},
         solution=(
             (Step(BASH, {"command": "wc -l < data.txt"}),),
@@ -458,7 +532,7 @@ def subagent_task(task_id: str, number: str) -> Task:
     return Task(
         task_id=task_id,
         prompt=f"Ask a helper for {number} reversed, then write its answer to answer.txt.",
-        checks=(FileExists("answer.txt"), FileEquals("answer.txt", answer)),
+        grader=FileChecks((FileExists("answer.txt"), FileEquals("answer.txt", answer))),
         solution=(
             (Step(SPAWN_SUBAGENT, {"task_description": sub}, result=answer),),
             (Step(WRITE_FILE, {"path": "answer.txt", "content": answer}),),
@@ -474,7 +548,7 @@ def many_files_task(task_id: str, n_files: int) -> Task:
     return Task(
         task_id=task_id,
         prompt=f"Create files f1.txt to f{n_files}.txt, each holding its own number.",
-        checks=tuple(FileEquals(n, str(i)) for i, n in enumerate(names, 1)),
+        grader=FileChecks(tuple(FileEquals(n, str(i)) for i, n in enumerate(names, 1))),
         solution=(
             tuple(Step(WRITE_FILE, {"path": n, "content": str(i)}) for i, n in enumerate(names, 1)),
             (Step(FINISH, {"answer": "done"}),),

@@ -612,6 +612,16 @@ class LedgerStore:
                 "SELECT 1 FROM sessions WHERE session_id=?", (session_id,)
             ).fetchone() is not None
 
+    def child_sessions(self, session_id: str) -> list[str]:
+        """Sessions whose calls name `session_id` as their parent session (subagents),
+        in commit order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id FROM sessions WHERE parent_session_id=? ORDER BY first_seq",
+                (session_id,),
+            ).fetchall()
+        return [r[0] for r in rows]
+
     def sessions(self) -> list[SessionInfo]:
         with self._lock:
             rows = self._db.execute(

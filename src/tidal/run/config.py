@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -30,10 +30,97 @@ class ModelConfig(_Section):
 
 
 class TasksConfig(_Section):
-    name: str = Field("files", description="built-in task set (docs/agent.md)")
+    source: str = Field(
+        "files", description="a built-in task set (files, digits, tools, mixed, swe-mini), a "
+        "directory of Harbor tasks, or module:attr (a callable returning tasks)",
+    )
+    heldout_source: str = Field(
+        "", description="where held-out tasks come from (as source); empty: a seeded split "
+        "of heldout_size tasks from source (a built-in set's own split for files/digits/...)",
+    )
     train_size: int = Field(64, ge=1, description="tasks sampled for RL")
     heldout_size: int = Field(32, ge=1, description="held-out tasks for evaluation")
-    time_limit_s: float = Field(60.0, gt=0, description="per-session wall-clock limit")
+    time_limit_s: float = Field(
+        60.0, gt=0, description="per-session wall-clock limit of tasks that set none"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_name(cls, data: Any) -> Any:
+        """`name = "files"`, the older spelling of `source`, still reads (built-in sets)."""
+        if not isinstance(data, dict) or "name" not in data:
+            return data
+        data = dict(data)
+        name = data.pop("name")
+        from tidal.run.components import BUILTIN_TASK_SOURCES
+
+        if name not in BUILTIN_TASK_SOURCES:
+            raise ValueError(f"tasks.name {name!r} is not a built-in task set "
+                             f"({', '.join(BUILTIN_TASK_SOURCES)}); use tasks.source for a "
+                             "directory or module:attr")
+        if "source" in data and data["source"] != name:
+            raise ValueError("tasks.name and tasks.source disagree: give only source")
+        data["source"] = name
+        return data
+
+    @model_validator(mode="after")
+    def _sources(self) -> TasksConfig:
+        from tidal.run.components import check_task_source
+
+        check_task_source(self.source, "tasks.source")
+        if self.heldout_source:
+            check_task_source(self.heldout_source, "tasks.heldout_source")
+        return self
+
+
+class AgentSection(_Section):
+    harness: str = Field(
+        "builtin", description="builtin (tidal's tool-calling loop), command (any program, "
+        "run in the sandbox) or module:attr (a function run with the episode's context)",
+    )
+    command: str = Field("", description="harness = command: the command line, run by /bin/sh "
+                         "in the task's working directory inside the sandbox")
+    mounts: tuple[str, ...] = Field(
+        (), description="HOST:SANDBOX directories bound read-only into every episode's "
+        "sandbox (a harness's code, its virtualenv)",
+    )
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="variables added to the harness's environment")
+    timeout_sec: float = Field(
+        0.0, ge=0, description="the agent's wall-clock limit per episode (0: the task's own, "
+        "else tasks.time_limit_s)",
+    )
+
+    @model_validator(mode="after")
+    def _harness(self) -> AgentSection:
+        from tidal.run.components import check_harness
+        from tidal.sandbox.types import Bind
+
+        check_harness(self.harness, self.command)
+        for m in self.mounts:
+            try:
+                Bind.parse(m)
+            except ValueError as e:
+                raise ValueError(f"agent.mounts: {e}") from None
+        return self
+
+
+class EnvironmentConfig(_Section):
+    images: dict[str, str] = Field(
+        default_factory=dict, description="FROM / docker_image reference -> a local image "
+        "directory, or \"default\" for tidal's default image",
+    )
+    fallback: str = Field(
+        "", description="what an unmapped reference gets: \"default\", a directory, or "
+        "empty to refuse it (the error names the task, file and line)",
+    )
+    cache_dir: str = Field("", description="where built environments are kept "
+                           "(default: ~/.cache/tidal/envs)")
+
+
+class EngineConfig(_Section):
+    kind: str = Field("embedded", description="embedded (transformers, in this process) or "
+                      "module:attr (a factory returning an Engine)")
 
 
 class RolloutConfig(_Section):
@@ -58,8 +145,9 @@ class RolloutConfig(_Section):
         description="which training tasks a batch rolls out: uniformly, or favouring tasks "
         "whose groups' rewards differed (docs/config.md)",
     )
-    sandbox: Literal["bwrap", "local"] = Field(
-        "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted)"
+    sandbox: str = Field(
+        "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted); "
+        "module:attr: a factory(SandboxConfig) -> context manager of a ToolRuntime",
     )
 
 
@@ -67,6 +155,8 @@ class ScheduleConfig(_Section):
     policy: Literal["colocated", "elastic", "async"] = Field(
         "elastic", description="how devices share rollout and training (docs/scheduler.md)"
     )
+    backend: str = Field("local", description="where rollouts run: local (threads in this "
+                         "process) or module:attr (a factory(devices, slots) -> Backend)")
     devices: int = Field(2, ge=1, description="devices (CPU slots here): each rolls out or trains")
     groups_per_device: int = Field(
         1, ge=1, description="task groups one rollout device runs at once"
@@ -118,7 +208,10 @@ class EvalConfig(_Section):
 class RunConfig(_Section):
     seed: int = Field(0, description="seed for task sampling and generation")
     model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
     tasks: TasksConfig = TasksConfig()
+    agent: AgentSection = AgentSection()
+    environment: EnvironmentConfig = EnvironmentConfig()
     rollout: RolloutConfig = RolloutConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     warmstart: WarmstartConfig = WarmstartConfig()
@@ -127,13 +220,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _possible(self) -> RunConfig:
-        from tidal.agent.tasks import TASK_SETS
+        from tidal.run.components import check_named
 
-        if self.tasks.name not in TASK_SETS:
-            raise ValueError(
-                f"tasks.name {self.tasks.name!r} is not a built-in task set "
-                f"({', '.join(sorted(TASK_SETS))})"
-            )
+        check_named("rollout.sandbox", self.rollout.sandbox)
+        check_named("engine.kind", self.engine.kind)
+        check_named("schedule.backend", self.schedule.backend)
         if self.rollout.max_tokens * self.rollout.max_turns > self.rollout.context_budget * 8:
             raise ValueError(
                 "rollout.max_tokens x rollout.max_turns is far beyond rollout.context_budget: "
@@ -156,6 +247,12 @@ class RunConfig(_Section):
             raise ValueError(
                 f"schedule.train_devices ({self.schedule.train_devices}) must leave a rollout "
                 f"device: it must be below schedule.devices ({self.schedule.devices})"
+            )
+        if self.warmstart.steps and self.agent.harness != "builtin":
+            raise ValueError(
+                f"warmstart.steps = {self.warmstart.steps} trains on demonstrations in the "
+                f"built-in harness's format; with agent.harness = {self.agent.harness!r} set "
+                "warmstart.steps = 0"
             )
         if self.rl.steps == 0 and self.warmstart.steps == 0:
             raise ValueError("nothing to do: warmstart.steps and rl.steps are both 0")
@@ -206,6 +303,8 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 def _toml_value(v: object) -> str:
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, tuple | list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):

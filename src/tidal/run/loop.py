@@ -1,20 +1,23 @@
-"""`tidal run`: the whole RL loop in one place.
+"""`tidal run`: the whole RL loop as one recipe.
 
-    warm start (SFT on generated demonstrations)
-    evaluate on held-out tasks                      -> success_rate_start
-    for each step:
-        roll out task groups through the gateway    (sandbox + harness + engine -> ledger)
-        rebuild trees, sample paths, advantages     (tidal.tree)
-        tree-packed PPO/GRPO step                    (tidal.train)
-        push weights to the engine, new version     (checkpoint, metrics)
-    evaluate on held-out tasks                      -> success_rate_end, summary.json
+    build        model + tokenizer, engine, ledger, gateway, tasks, harness, trainer
+    warm start   SFT on the tasks' demonstrations (when there are any)
+    evaluate     held-out tasks                           -> success_rate_start
+    RL           for each step:
+                   roll out task groups through the gateway   (sandbox + harness + engine -> ledger)
+                   rebuild trees, sample paths, advantages    (tidal.tree)
+                   tree-packed PPO/GRPO step                   (tidal.train)
+                   push weights to the engine, new version    (checkpoint, metrics)
+    summary      held-out again -> success_rate_end, `tidal verify`, summary.json
 
-The trainer's model and the engine's model are two copies of the same weights in one
-process; after each update the engine receives the new state dict and version. Rollouts
-go through the elastic scheduler (`tidal.schedule`, local backend): task groups are its
-work items, a full batch of groups is one step, and the policy (`schedule.policy`)
-decides whether rollouts and training overlap (elastic, the default; async) within the
-staleness bound `rl.max_staleness`, or alternate (colocated).
+Every component is chosen by name in `tidal.run.components` (task source, harness,
+sandbox runtime, engine, scheduler backend); this file only wires them. The trainer's
+model and the engine's model are two copies of the same weights in one process; after
+each update the engine receives the new state dict and version. Rollouts go through the
+elastic scheduler (`tidal.schedule`): task groups are its work items, a full batch of
+groups is one step, and the policy (`schedule.policy`) decides whether rollouts and
+training overlap (elastic, the default; async) within the staleness bound
+`rl.max_staleness`, or alternate (colocated).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import random
 import resource
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,22 +36,24 @@ from typing import Any
 import torch
 
 from tidal.agent.harness import AgentConfig
-from tidal.agent.tasks import Demonstration, Task, demonstrations, load_taskset, taught
-from tidal.engine.embedded import EmbeddedEngine
+from tidal.agent.tasks import Demonstration, Task, TaskError, demonstrations, taught
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
 from tidal.ledger import LedgerStore, Outcome, Status
+from tidal.run import components
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
-from tidal.run.curriculum import record_groups, sample_batch
 from tidal.run.progress import RunLog
-from tidal.run.rollout import Episode, Rollouts, make_scheduler, new_session_id, runtime_factory
-from tidal.run.warmstart import render_all, warm_start
+from tidal.run.rollout import Episode, Rollouts, new_session_id
+from tidal.sandbox import SandboxConfig
+from tidal.sandbox.types import Bind
 from tidal.schedule.backend import Work
+from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
 from tidal.train.loss import LossConfig
 from tidal.train.trainer import TreeTrainer
+from tidal.train.warmstart import render_all, warm_start
 from tidal.tree import process_store
 from tidal.tree.html import render_episode_html
 
@@ -68,32 +73,96 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
-    t_start = time.time()
-    ckpt = find_checkpoint(run_dir)
-    if resume and ckpt is None and not (run_dir / "config.toml").exists():
-        raise RunError(f"nothing to resume in {run_dir}")
-    if not resume and (run_dir / "config.toml").exists():
-        raise RunError(f"{run_dir} already holds a run: pass --resume or choose another --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_config(cfg))
-    state = load_state(ckpt) if (resume and ckpt) else RunState()
-    earlier_s = state.elapsed_s  # wall clock of attempts before this one (a resume)
+# --------------------------------------------------------------------------- build
 
-    def checkpoint(st: RunState) -> RunState:
-        st = st.advance(elapsed_s=earlier_s + time.time() - t_start)
-        save_checkpoint(run_dir, policy, optimizer, st)
+
+@dataclass
+class Parts:
+    """What `build` wires for one run; `close()` stops the gateway and the engine."""
+
+    cfg: RunConfig
+    run_dir: Path
+    policy: Any
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    engine: Any
+    store: LedgerStore
+    gateway: GatewayServer
+    train_tasks: list[Task]
+    heldout: list[Task]
+    rollouts: Rollouts
+    evals: Rollouts
+    trainer: TreeTrainer
+    log: RunLog
+    t_start: float
+    earlier_s: float  # wall clock of attempts before this one (a resume)
+
+    def checkpoint(self, st: RunState) -> RunState:
+        st = st.advance(elapsed_s=self.earlier_s + time.time() - self.t_start)
+        save_checkpoint(self.run_dir, self.policy, self.optimizer, st)
         return st
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    device = _device(cfg.model.device)
 
-    # -- the pieces: model + tokenizer, engine, ledger, gateway, tasks, trainer ----------
+    def sync_engine(self, version: int) -> None:
+        self.engine.load_state_dict(self.policy.state_dict(), version)
+
+    def evaluate(self, tag: str, state: RunState) -> float:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        jobs = [(t, new_session_id(f"eval{tag}", state.step, t.task_id, k))
+                for t in self.heldout for k in range(cfg.eval.samples)]
+        # evaluation runs as many sessions at once as the rollout devices can
+        workers = cfg.schedule.devices * cfg.schedule.groups_per_device * cfg.rollout.group_size
+        eps = self.evals.many(jobs, workers=workers, on_done=lambda _e: self.log.advance("eval"))
+        rate = sum(e.reward >= 1.0 for e in eps) / max(len(eps), 1)
+        self.log.metrics({"phase": "eval", "step": state.step, "success_rate": rate,
+                          "partial_mean": sum(e.partial_score for e in eps) / max(len(eps), 1),
+                          "checks": _check_rates(eps), "grader_errors": _grader_errors(eps),
+                          "seconds": time.perf_counter() - t0,
+                          "policy_version": self.engine.policy_version})
+        return rate
+
+    def close(self) -> None:
+        self.gateway.stop()
+        self.engine.close()
+
+
+def _agent_config(cfg: RunConfig) -> AgentConfig:
+    r = cfg.rollout
+    return AgentConfig(max_turns=r.max_turns, time_limit_s=cfg.tasks.time_limit_s,
+                       context_budget_tokens=r.context_budget, max_tokens=r.max_tokens,
+                       temperature=r.temperature, tools=r.tools)
+
+
+def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> Parts:
+    """Every component of the run, resolved by name (`tidal.run.components`)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-
+    t_start = time.time()
+    agent_cfg = _agent_config(cfg)
+    try:  # every component by name first, so a bad one fails before anything starts
+        tasks = components.select_tasks(cfg.tasks, cfg.seed)
+        harness = components.make_harness(cfg, agent_cfg)
+        eval_harness = components.make_harness(
+            cfg, replace(agent_cfg, temperature=cfg.eval.temperature))
+        new_runtime = components.make_runtime_factory(cfg.rollout.sandbox)
+        for key, value in (("schedule.backend", cfg.schedule.backend),
+                           ("engine.kind", cfg.engine.kind)):
+            if components.is_attr(value):
+                components.load_attr(value, key)
+    except (TaskError, components.ComponentError) as e:
+        raise RunError(str(e)) from e
+    environments = components.make_environments(cfg)
+    if cfg.rollout.sandbox == "local" and any(
+            t.environment for t in (*tasks.train, *tasks.heldout)):
+        raise RunError("rollout.sandbox = \"local\" cannot build the tasks' environments: use "
+                       "\"bwrap\"")
+    try:
+        environments.prepare((*tasks.train, *tasks.heldout))
+    except TaskError as e:
+        raise RunError(str(e)) from e
+    device = _device(cfg.model.device)
     base_dir = (ensure_tiny(seed=cfg.model.seed) if cfg.model.name == "tiny"
                 else resolve_model(cfg.model.name))
     tokenizer = load_tokenizer(base_dir)
@@ -102,26 +171,21 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         str(weights_dir), dtype=torch.float32, attn_implementation="sdpa"
     ).to(device)  # type: ignore[arg-type]
     model_name = cfg.model.name if cfg.model.name == "tiny" else base_dir.name
-    engine = EmbeddedEngine(weights_dir, device=device, policy_version=state.policy_version,
-                            model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
-                            prefix_cache_mb=cfg.rollout.prefix_cache_mb)
+    engine = components.make_engine(cfg, weights_dir, device=device,
+                                     policy_version=state.policy_version, model_name=model_name)
     store = LedgerStore(run_dir / "ledger.db")
     gateway = GatewayServer(engine, tokenizer, store)
     url = gateway.start()
-    tasks = load_taskset(cfg.tasks.name, seed=cfg.seed)
-    train_tasks = list(tasks.train[: cfg.tasks.train_size])
-    heldout = list(tasks.heldout[: cfg.tasks.heldout_size])
-    agent_cfg = AgentConfig(
-        max_turns=cfg.rollout.max_turns, time_limit_s=cfg.tasks.time_limit_s,
-        context_budget_tokens=cfg.rollout.context_budget, max_tokens=cfg.rollout.max_tokens,
-        temperature=cfg.rollout.temperature, tools=cfg.rollout.tools,
+    outside = cfg.agent.harness == "builtin"  # harnesses inside the sandbox reach the gateway
+    sandbox = SandboxConfig(allow_ports=() if outside else (gateway.port,),
+                            binds=tuple(Bind.parse(m) for m in cfg.agent.mounts))
+    rollouts = Rollouts(
+        url, model_name, harness, new_runtime, store, sandbox=sandbox,
+        environments=environments, default_time_limit_s=cfg.tasks.time_limit_s,
+        time_limit_s=cfg.agent.timeout_sec or None, log_dir=run_dir / "harness",
+        forget=gateway.gateway.forget_session,
     )
-    rollouts = Rollouts(url, model_name, agent_cfg, runtime_factory(cfg.rollout.sandbox), store,
-                        forget=gateway.gateway.forget_session)
-    evals = replace(rollouts, agent_cfg=replace(agent_cfg, temperature=cfg.eval.temperature))
-    # evaluation runs as many sessions at once as the rollout devices can
-    eval_workers = (cfg.schedule.devices * cfg.schedule.groups_per_device
-                    * cfg.rollout.group_size)
+    evals = replace(rollouts, harness=eval_harness)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
     if ckpt is not None and (ckpt / "optimizer.pt").exists() and state.warmstart_done:
         optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
@@ -132,178 +196,190 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         max_tokens=cfg.rl.max_tokens_per_stream,
         attention="consistent" if cfg.rl.numerics == "consistent" else "auto",
     )
-    log = RunLog(run_dir, total_steps=cfg.rl.steps)
+    return Parts(cfg, run_dir, policy, optimizer, tokenizer, engine, store, gateway,
+                 list(tasks.train), list(tasks.heldout), rollouts, evals, trainer,
+                 RunLog(run_dir, total_steps=cfg.rl.steps), t_start, state.elapsed_s)
 
-    def sync_engine(version: int) -> None:
-        engine.load_state_dict(policy.state_dict(), version)
 
-    def evaluate(tag: str) -> float:
-        t0 = time.perf_counter()
-        jobs = [(t, new_session_id(f"eval{tag}", state.step, t.task_id, k))
-                for t in heldout for k in range(cfg.eval.samples)]
-        eps = evals.many(jobs, workers=eval_workers, on_done=lambda _e: log.advance("eval"))
-        rate = sum(e.reward >= 1.0 for e in eps) / max(len(eps), 1)
-        log.metrics({"phase": "eval", "step": state.step, "success_rate": rate,
-                     "partial_mean": sum(e.partial_score for e in eps) / max(len(eps), 1),
-                     "checks": _check_rates(eps), "seconds": time.perf_counter() - t0,
-                     "policy_version": engine.policy_version})
-        return rate
+# --------------------------------------------------------------------------- the recipe
 
+
+def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
+    ckpt = find_checkpoint(run_dir)
+    if resume and ckpt is None and not (run_dir / "config.toml").exists():
+        raise RunError(f"nothing to resume in {run_dir}")
+    if not resume and (run_dir / "config.toml").exists():
+        raise RunError(f"{run_dir} already holds a run: pass --resume or choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = load_state(ckpt) if (resume and ckpt) else RunState()
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    parts = build(cfg, run_dir, state, ckpt)  # a run that cannot start leaves no config
+    (run_dir / "config.toml").write_text(dump_config(cfg))
     try:
-        with log.live():
-            # -- 1. warm start ----------------------------------------------------------
-            if not state.warmstart_done:
-                demos = [_offer(d, cfg.rollout.tools)
-                         for t in taught(train_tasks, cfg.warmstart.teacher)
-                         for d in demonstrations(t)]
-                examples = render_all(tokenizer, demos)
-                log.phase("warm start", cfg.warmstart.steps)
-                t0 = time.perf_counter()
-                losses = warm_start(
-                    policy, examples, steps=cfg.warmstart.steps,
-                    batch_size=cfg.warmstart.batch_size, lr=cfg.warmstart.lr,
-                    pad_id=tokenizer.pad_token_id or 0, seed=cfg.seed,
-                    on_step=lambda i, loss, _dt: log.advance("warm start", loss=loss),
-                )
-                log.metrics({"phase": "warmstart", "step": 0, "loss_first": losses[0] if
-                             losses else None, "loss_last": losses[-1] if losses else None,
-                             "seconds": time.perf_counter() - t0})
-                state = state.advance(warmstart_done=True, policy_version=1)
-                sync_engine(1)
-                state = checkpoint(state)
+        with parts.log.live():
+            state = warm_start_phase(parts, state)
             if state.success_rate_start is None:
-                log.phase("eval", len(heldout) * cfg.eval.samples)
-                state = state.advance(success_rate_start=evaluate("start"))
-                state = checkpoint(state)
-
-            # -- 2. resume bookkeeping: finish what a killed attempt left ---------------
-            carry = _recover(store, state)
-
-            # -- 3. RL: the scheduler rolls out task groups; each full batch is a step ---
-            b, g = cfg.rollout.tasks_per_step, cfg.rollout.group_size
-            rng = random.Random(cfg.seed * 1000 + state.step)
-            plan: deque[Task] = deque()
-            group_sids: dict[int, list[str]] = {}  # scheduled group -> its main sessions
-            sched = make_scheduler(
-                cfg.schedule.policy, devices=cfg.schedule.devices,
-                groups_per_device=cfg.schedule.groups_per_device,
-                train_devices=cfg.schedule.train_devices, batch_groups=b,
-                max_staleness=cfg.rl.max_staleness,
-            )
-            roll = partial(rollouts.group, base_version=state.policy_version)
-            train_ids = [t.task_id for t in train_tasks]
-
-            first_step = state.step
-
-            def submit(n: int) -> None:
-                """Queue n task groups, drawn batch by batch (`rollout.task_sampling`)
-                with what the steps so far taught. A session id names the step its group
-                was planned for."""
-                works = []
-                for i in range(len(group_sids), len(group_sids) + n):
-                    if not plan:
-                        plan.extend(sample_batch(
-                            rng, train_tasks, train_ids, b,
-                            sampling=cfg.rollout.task_sampling, signal=state.task_signal,
-                        ))
-                    task = plan.popleft()
-                    step = first_step + i // b + 1
-                    works.append([(task, new_session_id("rl", step, task.task_id, k))
-                                  for k in range(g)])
-                ids = sched.submit_many(Work(roll, (jobs,)) for jobs in works)
-                group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(
-                    ids, works, strict=True))
-
-            sessions: list[str] = []  # the last step's sessions: sample trees for the report
-            groups: list[Sample] = []
-            lost = 0  # groups dropped as stale or failed: replaced by new ones
-            log.phase("rl", cfg.rl.steps, done=state.step)
-            # groups are queued as late as the staleness bound allows (K + 1 batches
-            # ahead), so each batch's tasks are drawn with the latest task statistics;
-            # no flush: a batch is never closed early while the next one is not queued
-            todo = (cfg.rl.steps - state.step) * b  # groups of the remaining steps
-
-            def queue(n: int) -> None:
-                nonlocal todo
-                k = min(n, todo)
-                todo -= k
-                if k:
-                    submit(k)
-
-            with sched:
-                queue((cfg.rl.max_staleness + 1) * b)
-                t0, cpu0 = time.perf_counter(), _cpu_seconds()
-                for mb in sched.iter_batches(steps=cfg.rl.steps - state.step, flush=False):
-                    groups.extend(mb.samples)
-                    if not mb.done():
-                        continue  # the batch fills as groups finish (streaming)
-                    t_wait = time.perf_counter() - t0
-                    eps = [e for grp in groups for e in grp.value]
-                    sessions = [s for e in eps for s in e.session_ids] + carry
-                    t1 = time.perf_counter()
-                    result = process_store(
-                        store, sessions, max_paths=cfg.rl.max_paths,
-                        incomplete=cfg.rl.timeout_reward, normalisation=cfg.rl.normalization,
-                        strict=False,
-                    )
-                    metrics = trainer.step(result.trees).as_dict() if result.trees else {}
-                    t_train = time.perf_counter() - t1
-                    gone = sched.dropped() + [f.session for f in sched.failed()]
-                    state = state.advance(
-                        step=state.step + 1, policy_version=state.policy_version + 1,
-                        trained_sessions=(*state.trained_sessions, *sessions),
-                        dropped_sessions=tuple(dict.fromkeys((
-                            *state.dropped_sessions, *(s for i in gone for s in group_sids[i])
-                        ))),
-                        sessions=state.sessions + len(sessions),
-                        task_signal=record_groups(state.task_signal, (
-                            (grp.value[0].task_id, [e.reward for e in grp.value])
-                            for grp in groups if grp.value
-                        )),
-                    )
-                    sync_engine(state.policy_version)
-                    state = checkpoint(state)
-                    log.metrics(_step_row(
-                        state, eps=eps, m=metrics, t_wait=t_wait, t_train=t_train,
-                        wall=time.perf_counter() - t0, cpu=_cpu_seconds() - cpu0,
-                        groups=groups, sched=sched.metrics(),
-                    ))
-                    log.advance("rl")
-                    if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
-                        evaluate(f"s{state.step}")
-                    sched.step_done()
-                    queue(b)
-                    if len(gone) > lost:  # keep every remaining step's batch full
-                        submit(len(gone) - lost)
-                        lost = len(gone)
-                    groups, carry = [], []
-                    t0, cpu0 = time.perf_counter(), _cpu_seconds()
-                schedule_summary = _schedule_summary(sched.metrics())
-
-            # -- 4. final evaluation and summary -----------------------------------------
-            log.phase("eval", len(heldout) * cfg.eval.samples)
-            end = evaluate("end")
-            _sample_trees(store, sessions, run_dir / "trees", tokenizer.decode)
+                parts.log.phase("eval", len(parts.heldout) * cfg.eval.samples)
+                state = parts.checkpoint(state.advance(success_rate_start=parts.evaluate("start",
+                                                                                       state)))
+            state, sessions, schedule = rl_phase(parts, state)
+            parts.log.phase("eval", len(parts.heldout) * cfg.eval.samples)
+            end = parts.evaluate("end", state)
+            _sample_trees(parts.store, sessions, run_dir / "trees", parts.tokenizer.decode)
     finally:
-        gateway.stop()
-        engine.close()
-    report = verify_store(store)
-    store.close()
+        parts.close()
+    return summarize(parts, state, end, schedule)
+
+
+def warm_start_phase(parts: Parts, state: RunState) -> RunState:
+    """Supervised steps on the training tasks' demonstrations (`warmstart.steps`);
+    then the engine gets the weights as version 1."""
+    cfg = parts.cfg
+    if state.warmstart_done:
+        return state
+    demos = [_offer(d, cfg.rollout.tools)
+             for t in taught([t for t in parts.train_tasks if t.solution], cfg.warmstart.teacher)
+             for d in demonstrations(t)] if cfg.warmstart.steps else []
+    if cfg.warmstart.steps and not demos:
+        raise RunError("warmstart.steps > 0 but no training task has a demonstration (tasks "
+                       "from a directory or module:attr usually have none): set "
+                       "warmstart.steps = 0")
+    parts.log.phase("warm start", cfg.warmstart.steps)
+    t0 = time.perf_counter()
+    losses = warm_start(
+        parts.policy, render_all(parts.tokenizer, demos), steps=cfg.warmstart.steps,
+        batch_size=cfg.warmstart.batch_size, lr=cfg.warmstart.lr,
+        pad_id=parts.tokenizer.pad_token_id or 0, seed=cfg.seed,
+        on_step=lambda i, loss, _dt: parts.log.advance("warm start", loss=loss),
+    ) if demos else []
+    parts.log.metrics({"phase": "warmstart", "step": 0,
+                       "loss_first": losses[0] if losses else None,
+                       "loss_last": losses[-1] if losses else None,
+                       "seconds": time.perf_counter() - t0})
+    state = state.advance(warmstart_done=True, policy_version=1)
+    parts.sync_engine(1)
+    return parts.checkpoint(state)
+
+
+def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[str, Any]]:
+    """`rl.steps` steps: the scheduler rolls out task groups; each full batch of groups
+    is rebuilt into trees and trained. Returns the state, the last step's sessions (for
+    the report's sample trees) and the schedule's summary."""
+    cfg, store, log = parts.cfg, parts.store, parts.log
+    carry = _recover(store, state)  # what a killed attempt left
+    b, g = cfg.rollout.tasks_per_step, cfg.rollout.group_size
+    rng = random.Random(cfg.seed * 1000 + state.step)
+    plan: deque[Task] = deque()
+    group_sids: dict[int, list[str]] = {}  # scheduled group -> its main sessions
+    sched = components.make_scheduler(cfg)
+    roll = partial(parts.rollouts.group, base_version=state.policy_version)
+    train_ids = [t.task_id for t in parts.train_tasks]
+    first_step = state.step
+
+    def submit(n: int) -> None:
+        """Queue n task groups, drawn batch by batch (`rollout.task_sampling`) with what
+        the steps so far taught. A session id names the step its group was planned for."""
+        works = []
+        for i in range(len(group_sids), len(group_sids) + n):
+            if not plan:
+                plan.extend(sample_batch(rng, parts.train_tasks, train_ids, b,
+                                         sampling=cfg.rollout.task_sampling,
+                                         signal=state.task_signal))
+            task = plan.popleft()
+            step = first_step + i // b + 1
+            works.append([(task, new_session_id("rl", step, task.task_id, k)) for k in range(g)])
+        ids = sched.submit_many(Work(roll, (jobs,)) for jobs in works)
+        group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
+
+    sessions: list[str] = []
+    groups: list[Sample] = []
+    lost = 0  # groups dropped as stale or failed: replaced by new ones
+    log.phase("rl", cfg.rl.steps, done=state.step)
+    # groups are queued as late as the staleness bound allows (K + 1 batches ahead), so
+    # each batch's tasks are drawn with the latest task statistics; no flush: a batch is
+    # never closed early while the next one is not queued
+    todo = (cfg.rl.steps - state.step) * b
+
+    def queue(n: int) -> None:
+        nonlocal todo
+        k = min(n, todo)
+        todo -= k
+        if k:
+            submit(k)
+
+    with sched:
+        queue((cfg.rl.max_staleness + 1) * b)
+        t0, cpu0 = time.perf_counter(), _cpu_seconds()
+        for mb in sched.iter_batches(steps=cfg.rl.steps - state.step, flush=False):
+            groups.extend(mb.samples)
+            if not mb.done():
+                continue  # the batch fills as groups finish (streaming)
+            t_wait = time.perf_counter() - t0
+            eps = [e for grp in groups for e in grp.value]
+            sessions = [s for e in eps for s in e.session_ids] + carry
+            t1 = time.perf_counter()
+            result = process_store(
+                store, sessions, max_paths=cfg.rl.max_paths, incomplete=cfg.rl.timeout_reward,
+                normalisation=cfg.rl.normalization, strict=False,
+            )
+            metrics = parts.trainer.step(result.trees).as_dict() if result.trees else {}
+            t_train = time.perf_counter() - t1
+            gone = sched.dropped() + [f.session for f in sched.failed()]
+            state = state.advance(
+                step=state.step + 1, policy_version=state.policy_version + 1,
+                trained_sessions=(*state.trained_sessions, *sessions),
+                dropped_sessions=tuple(dict.fromkeys((
+                    *state.dropped_sessions, *(s for i in gone for s in group_sids[i])))),
+                sessions=state.sessions + len(sessions),
+                task_signal=record_groups(state.task_signal, (
+                    (grp.value[0].task_id, [e.reward for e in grp.value])
+                    for grp in groups if grp.value)),
+            )
+            parts.sync_engine(state.policy_version)
+            state = parts.checkpoint(state)
+            log.metrics(_step_row(
+                state, eps=eps, m=metrics, t_wait=t_wait, t_train=t_train,
+                wall=time.perf_counter() - t0, cpu=_cpu_seconds() - cpu0, groups=groups,
+                sched=sched.metrics(),
+            ))
+            log.advance("rl")
+            if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
+                parts.evaluate(f"s{state.step}", state)
+            sched.step_done()
+            queue(b)
+            if len(gone) > lost:  # keep every remaining step's batch full
+                submit(len(gone) - lost)
+                lost = len(gone)
+            groups, carry = [], []
+            t0, cpu0 = time.perf_counter(), _cpu_seconds()
+        schedule = _schedule_summary(sched.metrics())
+    return state, sessions, schedule
+
+
+def summarize(parts: Parts, state: RunState, end: float,
+              schedule: dict[str, Any]) -> dict[str, Any]:
+    """`tidal verify` over the ledger, then summary.json."""
+    report = verify_store(parts.store)
+    parts.store.close()
     summary = {
         "success_rate_start": state.success_rate_start,
         "success_rate_end": end,
         "steps": state.step,
-        "minutes": round((earlier_s + time.time() - t_start) / 60, 2),
+        "minutes": round((parts.earlier_s + time.time() - parts.t_start) / 60, 2),
         "sessions": state.sessions,
         "drift_tokens": report.model_tokens - report.model_tokens_verbatim,
         "verify_ok": report.ok,
         "policy_version": state.policy_version,
-        "heldout_curve": _heldout_curve(run_dir / "metrics.jsonl"),
-        "schedule": schedule_summary,
+        "heldout_curve": _heldout_curve(parts.run_dir / "metrics.jsonl"),
+        "schedule": schedule,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    log.close()
+    (parts.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    parts.log.close()
     return summary
+
+
+# --------------------------------------------------------------------------- helpers
 
 
 def _heldout_curve(metrics: Path) -> list[tuple[int, float]]:
@@ -319,6 +395,10 @@ def _check_rates(episodes: list[Episode]) -> dict[str, float]:
         for kind, rate in e.checks.items():
             kinds.setdefault(kind, []).append(rate)
     return {k: round(sum(v) / len(v), 4) for k, v in sorted(kinds.items())}
+
+
+def _grader_errors(episodes: list[Episode]) -> int:
+    return sum(e.grader_error is not None for e in episodes)
 
 
 def _offer(demo: Demonstration, tools: tuple[str, ...]) -> Demonstration:
@@ -379,6 +459,7 @@ def _step_row(
         "partial_mean": sum(e.partial_score for e in eps) / n,
         "timeouts": sum(e.status == "timeout" for e in eps),
         "statuses": {s: sum(e.status == s for e in eps) for s in {e.status for e in eps}},
+        "grader_errors": _grader_errors(eps),
         "staleness": [grp.staleness for grp in groups],
         "rollout_s": t_wait, "train_s": t_train,
         # tokens trained (summed over paths, as per-path training would count them)

@@ -1,49 +1,52 @@
-"""Rollouts for the RL loop: run task sessions through the gateway, grade, record outcomes.
+"""Rollouts for the RL loop: run task episodes through the gateway, grade, record outcomes.
 
-Each episode gets a fresh runtime (a bubblewrap sandbox by default), runs the built-in
-harness against its own session URL, is graded on the files it left, and has one
-outcome per session (main and subagents) appended to the ledger. Episodes run on
-threads: the harness waits on HTTP, and the embedded engine batches the concurrent
-requests into one forward pass.
+Each episode gets a fresh runtime made from the task's environment (a bubblewrap sandbox
+by default: `tidal.agent.environment`), runs the configured harness against its own
+session URL, is graded by the task's grader in the same runtime, and has one outcome per
+session (main and subagents) appended to the ledger. Episodes run on threads: harnesses
+wait on HTTP, and the embedded engine batches the concurrent requests into one forward.
 
-The unit of scheduled work is a task group (the GRPO group: `group_size` episodes of
-one task, run together), so a trained mini-batch always holds whole groups and every
-advantage has its full baseline. `make_scheduler` builds the elastic scheduler's local
-backend for `tidal run`: devices are logical CPU slots in this process (thread mode),
-each rolling out `groups_per_device` groups at once or training; the engine and the
-trainer hold separate copies of the weights, so both roles can run at the same time.
-Deliberately simplified: a role switch moves no model (both live in this process), so
-its cost is what the bookkeeping takes.
+The unit of scheduled work is a task group (the GRPO group: `group_size` episodes of one
+task, run together), so a trained mini-batch always holds whole groups and every
+advantage has its full baseline.
+
+What an episode's outcome says (docs/agent.md, "Statuses"):
+- the harness's status, except that an episode whose main session made no model call is
+  infra_error (nothing to train; not the policy's doing) and records no outcome;
+- a grader error (a test.sh that wrote no reward) masks every session of the episode
+  (status infra_error, `details.grader_error`) and is counted in the step's metrics;
+- a runtime that fails (the sandbox, the environment build) is infra_error too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
+import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tidal.agent.harness import AgentConfig, AgentResult, run_episode
-from tidal.agent.runtime import LocalDirRuntime, ToolRuntime
+from tidal.agent.episode import EpisodeContext, Harness, HarnessResult, run_task
 from tidal.agent.tasks import Grade, Task
 from tidal.ledger import LedgerStore, Outcome, Status
+from tidal.run.components import RuntimeFactory
+from tidal.sandbox import SandboxConfig
 from tidal.schedule.backend import RolloutResult
-from tidal.schedule.local import LocalBackend
-from tidal.schedule.policy import ColocatedPolicy, ElasticPolicy, FixedSplitPolicy, Policy
-from tidal.schedule.scheduler import Scheduler
-from tidal.schedule.types import PoolConfig
 
-RuntimeFactory = Callable[[], contextlib.AbstractContextManager[ToolRuntime]]
+if TYPE_CHECKING:
+    from tidal.agent.environment import Environments
+
+LOG_TAIL = 1000  # characters of each harness stream kept in the outcome's details
 
 
 @dataclass(frozen=True)
 class Episode:
     """One graded episode: its main session id, every session id, status and grade
-    (`checks`: the grade's fraction passed per kind of check, `Grade.by_kind`)."""
+    (`checks`: the grade's fraction passed per kind of check, `Grade.by_kind`).
+    `grader_error` says why the grader could not grade (then nothing is trained)."""
 
     task_id: str
     session_id: str
@@ -54,86 +57,115 @@ class Episode:
     n_calls: int
     seconds: float
     checks: dict[str, float] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def local_runtime() -> Iterator[ToolRuntime]:
-    """A plain temporary directory: NOT isolated; for trusted tasks and tests only."""
-    with tempfile.TemporaryDirectory(prefix="tidal-ep-") as d:
-        yield LocalDirRuntime(Path(d))
-
-
-def sandbox_runtime() -> contextlib.AbstractContextManager[ToolRuntime]:
-    """A fresh bubblewrap sandbox on the default image, adapted to the harness."""
-    from tidal.run.sandboxed import sandboxed_runtime
-
-    return sandboxed_runtime()
-
-
-def runtime_factory(kind: str) -> RuntimeFactory:
-    if kind == "local":
-        return local_runtime
-    if kind == "bwrap":
-        return sandbox_runtime
-    raise ValueError(f"unknown sandbox kind {kind!r} (expected 'bwrap' or 'local')")
+    grader_error: str | None = None
 
 
 def new_session_id(phase: str, step: int, task_id: str, k: int) -> str:
     return f"{phase}-{step}-{task_id}-{k}-{uuid.uuid4().hex[:6]}"
 
 
-def _outcomes(result: AgentResult, grade: Grade) -> list[Outcome]:
-    """One outcome per session; subagents share the episode's reward."""
+def _episode_sessions(store: LedgerStore, main: str, known: Sequence[str]) -> list[str]:
+    """The main session, then every recorded session below it (subagents), then those
+    the harness reported that the store does not link (kept for their statuses)."""
+    out, i = [main], 0
+    while i < len(out):
+        out += [c for c in store.child_sessions(out[i]) if c not in out]
+        i += 1
+    return out + [s for s in known if s not in out]
+
+
+def _outcomes(sessions: Sequence[str], main: str, result: HarnessResult,
+              grade: Grade) -> list[Outcome]:
+    """One outcome per session; subagents share the episode's reward; a grader error
+    masks them all."""
     out = []
-    for r in result.all_sessions():
-        out.append(Outcome(
-            session_id=r.session_id, status=Status(r.status), reward=grade.reward,
-            partial_score=grade.partial_score,
-            details={"checks": grade.details, "error": r.error} if r is result
-            else {"episode": result.session_id, "error": r.error},
-        ))
+    for sid in sessions:
+        status, error = result.sessions.get(sid, (result.status, result.error))
+        details: dict[str, object] = ({"checks": grade.details, "error": error} if sid == main
+                                      else {"episode": main, "error": error})
+        if sid == main and result.log:
+            details["harness_log"] = {k: v[-LOG_TAIL:] for k, v in result.log.items()}
+        if sid == main and grade.extra:
+            details["grader"] = grade.extra
+        if grade.error is not None:
+            details.update(grader_error=grade.error, harness_status=status)
+            status = "infra_error"
+        out.append(Outcome(session_id=sid, status=Status(status), reward=grade.reward,
+                           partial_score=grade.partial_score, details=details))
     return out
 
 
 @dataclass(frozen=True)
 class Rollouts:
-    """Where and how episodes run: the gateway's URL and model name, the harness
-    config, a fresh runtime per episode, and the ledger that gets the outcomes.
+    """Where and how episodes run: the gateway's URL and model name, the harness, a
+    fresh runtime per episode made from `sandbox` (the base config: limits, the
+    gateway's port, mounts) and the task's environment (`environments`), and the
+    ledger that gets the outcomes. A task's time limit is `time_limit_s` when given
+    (`agent.timeout_sec`), else its own, else `default_time_limit_s`. `log_dir`, when
+    given, keeps each session's harness output (`<session>.stdout.txt`, `.stderr.txt`).
     `forget`, when given, is called with each session id of an episode once its
-    outcomes are recorded (the in-process gateway's `forget_session`: a finished session's
-    turns are not kept in memory for the rest of the run)."""
+    outcomes are recorded (the in-process gateway's `forget_session`)."""
 
     gateway_url: str
     model: str
-    agent_cfg: AgentConfig
+    harness: Harness
     new_runtime: RuntimeFactory
     store: LedgerStore
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    environments: Environments | None = None
+    default_time_limit_s: float = 60.0
+    time_limit_s: float | None = None
+    log_dir: Path | None = None
     forget: Callable[[str], object] | None = None
+
+    def limit(self, task: Task) -> float:
+        return self.time_limit_s or task.time_limit_s or self.default_time_limit_s
+
+    def config_for(self, task: Task) -> SandboxConfig:
+        """The episode's sandbox: the task's environment on the base config, with CPU
+        time enough for a harness that runs as long as the episode may."""
+        base = self.sandbox
+        cpu = (self.limit(task) + 600.0) * (os.cpu_count() or 1)
+        base = replace(base, limits=replace(base.limits, cpu_s=max(base.limits.cpu_s, cpu)))
+        return base if self.environments is None else self.environments.sandbox_config(task, base)
 
     def one(self, task: Task, session_id: str) -> Episode:
         """Run, grade and record one episode."""
         t0 = time.perf_counter()
         try:
-            with self.new_runtime() as runtime:
-                result, grade = run_episode(self.gateway_url, self.model, task, runtime,
-                                            self.agent_cfg, session_id=session_id)
-        except Exception as e:  # the sandbox failed, not the agent: mask, don't punish
+            with self.new_runtime(self.config_for(task)) as runtime:
+                ctx = EpisodeContext(self.gateway_url, session_id, self.model, task, runtime,
+                                     self.limit(task))
+                result, grade = run_task(self.harness, ctx)
+        except Exception as e:  # the sandbox or the environment failed, not the agent
             self.store.append_outcome(Outcome(session_id, Status.INFRA_ERROR, 0.0, 0.0,
                                               {"error": f"{type(e).__name__}: {e}"}))
             self._forget([session_id])
             return Episode(task.task_id, session_id, (session_id,), "infra_error", 0.0, 0.0,
                            0, time.perf_counter() - t0)
+        self._keep_log(session_id, result)
+        sessions = _episode_sessions(self.store, session_id, list(result.sessions))
+        status = result.status if self.store.has_session(session_id) else "infra_error"
         # a session that failed before its first call has nothing to train: no outcome
-        outcomes = [o for o in _outcomes(result, grade) if self.store.has_session(o.session_id)]
+        outcomes = [o for o in _outcomes(sessions, session_id, result, grade)
+                    if self.store.has_session(o.session_id)]
         if outcomes:
             self.store.append_outcomes(outcomes)
-        self._forget([r.session_id for r in result.all_sessions()])
+        self._forget(sessions)
+        n_calls = sum(len(self.store.call_log(o.session_id)) for o in outcomes)
         return Episode(
             task_id=task.task_id, session_id=session_id,
-            session_ids=tuple(o.session_id for o in outcomes), status=result.status,
-            reward=grade.reward, partial_score=grade.partial_score, n_calls=result.n_calls,
-            seconds=time.perf_counter() - t0, checks=grade.by_kind,
+            session_ids=tuple(o.session_id for o in outcomes), status=status,
+            reward=grade.reward, partial_score=grade.partial_score, n_calls=n_calls,
+            seconds=time.perf_counter() - t0, checks=grade.by_kind, grader_error=grade.error,
         )
+
+    def _keep_log(self, session_id: str, result: HarnessResult) -> None:
+        if self.log_dir is None or not result.log:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for stream, text in result.log.items():
+            (self.log_dir / f"{session_id}.{stream}.txt").write_text(text, encoding="utf-8")
 
     def _forget(self, session_ids: Sequence[str]) -> None:
         if self.forget is not None:
@@ -171,28 +203,3 @@ class Rollouts:
                     tokens += len(sc.call.output_ids)
         oldest = min(versions) - base_version if versions else None
         return RolloutResult(value=eps, policy_version=oldest, tokens=tokens)
-
-
-def make_scheduler(
-    policy: str, *, devices: int, groups_per_device: int, train_devices: int,
-    batch_groups: int, max_staleness: int, mean_group_s: float = 10.0,
-) -> Scheduler:
-    """The scheduler `tidal run` uses: `devices` logical devices on the local backend
-    (threads), `batch_groups` groups per optimizer step, staleness bound K (stale groups
-    are dropped and counted). Switches cost nothing to move here, so the policy is told
-    they are free; `mean_group_s` scales the elastic policy's time constants."""
-    chosen: Policy
-    if policy == "colocated":
-        chosen = ColocatedPolicy()
-    elif policy == "elastic":
-        chosen = ElasticPolicy.for_sessions(mean_group_s)
-    elif policy == "async":
-        chosen = FixedSplitPolicy(n_train=train_devices)
-    else:
-        raise ValueError(f"unknown schedule policy {policy!r} (colocated, elastic, async)")
-    config = PoolConfig(
-        n_devices=devices, batch_size=batch_groups, slots_per_device=groups_per_device,
-        max_staleness=max_staleness, rollout_to_train_s=0.0, train_to_rollout_s=0.0,
-        rate_window_s=mean_group_s / 4,
-    )
-    return Scheduler(LocalBackend(devices, groups_per_device, mode="thread"), chosen, config)

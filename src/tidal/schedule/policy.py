@@ -325,3 +325,18 @@ class ElasticPolicy:
             if i >= len(slots):
                 break
         return out
+
+
+POLICIES = ("colocated", "elastic", "async")
+
+
+def policy_named(name: str, *, train_devices: int = 1, mean_group_s: float = 10.0) -> Policy:
+    """The policy a config names: `colocated`, `elastic` (time constants scaled by the
+    mean seconds of a work item) or `async` (`train_devices` fixed to training)."""
+    if name == "colocated":
+        return ColocatedPolicy()
+    if name == "elastic":
+        return ElasticPolicy.for_sessions(mean_group_s)
+    if name == "async":
+        return FixedSplitPolicy(n_train=train_devices)
+    raise ValueError(f"unknown schedule policy {name!r} ({', '.join(POLICIES)})")

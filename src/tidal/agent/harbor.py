@@ -1,0 +1,343 @@
+"""Tasks in the Harbor format (Terminal-Bench 2), read directly from their directories.
+
+The format is the ecosystem's standard (SkyRL, rLLM, verifiers/prime-rl, TRL and
+tinker-cookbook load it). One directory per task; its name is the task id:
+
+    <task>/instruction.md          what the agent is told
+    <task>/task.toml               [task] name, description; [metadata] (free);
+                                   [verifier] timeout_sec, env; [agent] timeout_sec;
+                                   [solution] env; [environment] workdir, docker_image,
+                                   cpus, memory_mb, storage_mb, allow_internet, env,
+                                   build_timeout_sec (older files: memory = "4G", ...)
+    <task>/environment/Dockerfile  and its build context (tidal.sandbox.build)
+    <task>/tests/test.sh           the verifier, run after the agent ends
+    <task>/solution/solve.sh       the oracle (optional)
+
+`load_tasks(DIR)` reads a directory of task directories (or one task directory) and
+refuses a malformed task with the task, the file and what is wrong. The grader of a
+Harbor task is `VerifierScript`: when the agent has ended, tests/ is copied to /tests and
+`bash /tests/test.sh` runs in the same sandbox, in the task's working directory, within
+`[verifier] timeout_sec`; the reward is read from /logs/verifier:
+
+- `reward.txt`: one number (read first, as Harbor does);
+- else `reward.json`: an object of numbers; the reward is its `"reward"` key, or its only
+  number when it holds one; every number is kept in the grade (`extra["rewards"]`).
+
+A script that writes neither, an unreadable or non-finite number, several numbers and no
+`"reward"` key, or a run past the timeout is a grader error: the session is masked and
+counted, never a crash. The harness's status does not enter the reward (a timed-out
+agent is graded on what it left). Not supported: Harbor's multi-step tasks (`steps/`),
+docker-compose environments, and a separate verifier container; the network is never
+given (`allow_internet` is read and reported, not granted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.agent.runtime import ToolRuntime
+from tidal.agent.tasks import EnvironmentSpec, Grade, Oracle, Task, TaskError
+
+TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# built-in task sets in this format, by name (src/tidal/agent/tasksets/)
+HARBOR_SETS: dict[str, Path] = {"swe-mini": Path(__file__).parent / "tasksets" / "swe_mini"}
+VERIFIER_DIR = "/logs/verifier"
+DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for [agent] and [verifier] timeout_sec
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.I)
+
+
+class HarborTaskError(TaskError):
+    """A Harbor task directory is malformed; names the task, the file and the problem."""
+
+    def __init__(self, task: str, file: str, problem: str) -> None:
+        super().__init__(f"task {task!r}: {file}: {problem}")
+        self.task, self.file, self.problem = task, file, problem
+
+
+class RewardError(ValueError):
+    """The verifier's reward files say nothing usable."""
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def read_reward(reward_txt: str | None, reward_json: str | None) -> tuple[float, dict[str, float]]:
+    """(reward, every number reported) from the text of reward.txt and reward.json (None:
+    the file is missing). Raises RewardError saying what is wrong."""
+    if reward_txt is not None:
+        text = reward_txt.strip()
+        try:
+            value = float(text)
+        except ValueError:
+            raise RewardError(f"reward.txt holds {text[:80]!r}, not a number") from None
+        if not math.isfinite(value):
+            raise RewardError(f"reward.txt holds {text!r}, not a finite number")
+        return value, {"reward": value}
+    if reward_json is None:
+        raise RewardError(f"test.sh wrote no reward ({VERIFIER_DIR}/reward.txt or reward.json)")
+    try:
+        data = json.loads(reward_json)
+    except ValueError as e:
+        raise RewardError(f"reward.json is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RewardError(f"reward.json must hold an object of numbers, got {type(data).__name__}")
+    numbers = {k: float(v) for k, v in data.items()
+               if isinstance(v, int | float) and not isinstance(v, bool)}
+    if "reward" in data and "reward" not in numbers:
+        raise RewardError(f"reward.json's 'reward' is {data['reward']!r}, not a number")
+    if "reward" in numbers:
+        key = "reward"
+    elif len(numbers) == 1:
+        key = next(iter(numbers))
+    else:
+        raise RewardError(f"reward.json has {len(numbers)} numbers and no 'reward' key: "
+                          "say which one is the reward")
+    bad = [k for k, v in numbers.items() if not math.isfinite(v)]
+    if bad:
+        raise RewardError(f"reward.json's {bad[0]!r} is not a finite number")
+    return numbers[key], numbers
+
+
+@dataclass(frozen=True)
+class VerifierScript:
+    """A task's tests/test.sh as its grader (see the module docstring)."""
+
+    tests: Path
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def grade(self, runtime: ToolRuntime, *, finished: bool | None = None) -> Grade:
+        # tests/ goes to a fresh staging directory first and replaces /tests in the same
+        # command that runs them, so nothing the agent left in /tests or /logs/verifier
+        # survives, at the cost of one command
+        staging = f"/tmp/.tidal-tests-{uuid.uuid4().hex[:12]}"
+        runtime.upload(self.tests, staging)
+        run = runtime.exec(
+            f"rm -rf /tests {VERIFIER_DIR} && mv {staging} /tests && mkdir -p {VERIFIER_DIR} "
+            f"&& exec bash /tests/test.sh >{VERIFIER_DIR}/test-stdout.txt "
+            f"2>{VERIFIER_DIR}/test-stderr.txt", self.timeout_s, env=self.env)
+        out = (_read(runtime, f"{VERIFIER_DIR}/test-stdout.txt") or "")[-2000:]
+        err = (_read(runtime, f"{VERIFIER_DIR}/test-stderr.txt") or run.stderr)[-2000:]
+        extra: dict[str, Any] = {"exit_code": run.exit_code, "output": out + err}
+        if run.timed_out:
+            return _grader_error(f"test.sh did not finish within {self.timeout_s:g} s", extra)
+        try:
+            reward, numbers = read_reward(_read(runtime, f"{VERIFIER_DIR}/reward.txt"),
+                                          _read(runtime, f"{VERIFIER_DIR}/reward.json"))
+        except RewardError as e:
+            return _grader_error(f"{e} (test.sh exited with {run.exit_code})", extra)
+        extra["rewards"] = numbers
+        return Grade(reward=reward, partial_score=reward, details={"tests pass": reward >= 1.0},
+                     by_kind={"tests": reward}, extra=extra)
+
+
+def _read(runtime: ToolRuntime, path: str) -> str | None:
+    try:
+        return runtime.read_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def _grader_error(why: str, extra: dict[str, Any] | None = None) -> Grade:
+    return Grade(reward=0.0, partial_score=0.0, details={}, error=why, extra=extra or {})
+
+
+def run_oracle(task: Task, runtime: ToolRuntime, *, timeout_s: float | None = None) -> str | None:
+    """Run the task's solution/solve.sh in a prepared runtime (Harbor's oracle agent: the
+    solution copied to /solution, run from the working directory). Returns None, or what
+    went wrong."""
+    if task.oracle is None:
+        return "the task has no solution/solve.sh"
+    runtime.upload(task.oracle.directory, "/solution")
+    r = runtime.exec("bash /solution/solve.sh", timeout_s or task.time_limit_s or
+                     DEFAULT_TIMEOUT_S, env=task.oracle.env)
+    if r.timed_out:
+        return "solve.sh did not finish in time"
+    if r.exit_code != 0:
+        return f"solve.sh exited with {r.exit_code}: {(r.stderr or r.stdout).strip()[-300:]}"
+    return None
+
+
+# --------------------------------------------------------------------------- task.toml
+
+
+def _table(data: Mapping[str, Any], key: str, err: Any) -> dict[str, Any]:
+    v = data.get(key, {})
+    if not isinstance(v, dict):
+        err(f"[{key}] must be a table, got {type(v).__name__}")
+    return v
+
+
+def _number(table: Mapping[str, Any], key: str, where: str, default: float | None,
+            err: Any) -> float | None:
+    v = table.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        err(f"{where}.{key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _env(table: Mapping[str, Any], where: str, err: Any) -> dict[str, str]:
+    env = table.get("env", {})
+    if not isinstance(env, dict):
+        err(f"{where}.env must be a table of strings")
+    out = {}
+    for k, v in env.items():
+        if not isinstance(v, str | int | float) or isinstance(v, bool) or not k or "=" in k:
+            err(f"{where}.env.{k} must be a string")
+        out[str(k)] = str(v)
+    return out
+
+
+def _size_mb(table: Mapping[str, Any], key_mb: str, legacy: str, err: Any) -> int | None:
+    """`memory_mb = 2048`, or the older `memory = "2G"` (K, M, G, T; a bare number is MB)."""
+    if key_mb in table:
+        v = _number(table, key_mb, "[environment]", None, err)
+        return int(v) if v is not None else None
+    if legacy not in table:
+        return None
+    raw = table[legacy]
+    m = _SIZE.match(str(raw))
+    if m is None:
+        err(f"[environment].{legacy} = {raw!r} is not a size such as \"4G\" or \"512M\"")
+        return None
+    scale = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
+    return max(1, int(float(m.group(1)) * scale))
+
+
+def _parse_toml(task_id: str, path: Path) -> dict[str, Any]:
+    def err(problem: str) -> None:
+        raise HarborTaskError(task_id, "task.toml", problem)
+
+    if not path.is_file():
+        err("missing (every task needs one, even if only `version = \"1.0\"`)")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise HarborTaskError(task_id, "task.toml", f"not valid TOML: {e}") from None
+    task, meta = _table(data, "task", err), _table(data, "metadata", err)
+    verifier, agent = _table(data, "verifier", err), _table(data, "agent", err)
+    solution, env = _table(data, "solution", err), _table(data, "environment", err)
+    workdir = env.get("workdir")
+    if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
+        err(f"[environment].workdir must be an absolute path, got {workdir!r}")
+    image = env.get("docker_image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        err(f"[environment].docker_image must be an image reference, got {image!r}")
+    internet = env.get("allow_internet", True)
+    if not isinstance(internet, bool):
+        err(f"[environment].allow_internet must be true or false, got {internet!r}")
+    cpus = _number(env, "cpus", "[environment]", None, err)
+    return {
+        "name": str(task.get("name", task_id)), "description": str(task.get("description", "")),
+        "metadata": meta, "version": str(data.get("version", "")),
+        "verifier_timeout": _number(verifier, "timeout_sec", "[verifier]", DEFAULT_TIMEOUT_S, err),
+        "verifier_env": _env(verifier, "[verifier]", err),
+        "agent_timeout": _number(agent, "timeout_sec", "[agent]", DEFAULT_TIMEOUT_S, err),
+        "solution_env": _env(solution, "[solution]", err),
+        "environment": {
+            "workdir": workdir, "docker_image": image, "cpus": cpus,
+            "memory_mb": _size_mb(env, "memory_mb", "memory", err),
+            "storage_mb": _size_mb(env, "storage_mb", "storage", err),
+            "allow_internet": internet, "env": _env(env, "[environment]", err),
+            "build_timeout": _number(env, "build_timeout_sec", "[environment]", 600.0, err),
+        },
+    }
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def looks_like_task(path: Path) -> bool:
+    return (path / "task.toml").is_file() or (path / "instruction.md").is_file()
+
+
+def load_task(path: Path) -> Task:
+    """One Harbor task directory as a `Task`; HarborTaskError names what is wrong."""
+    path = Path(path)
+    tid = path.name
+    if not TASK_ID.match(tid):
+        raise HarborTaskError(tid, "(directory name)", "a task directory's name is its id: "
+                              "letters, digits, '.', '_' and '-' only")
+    instruction = path / "instruction.md"
+    if not instruction.is_file():
+        raise HarborTaskError(tid, "instruction.md", "missing")
+    try:
+        prompt = instruction.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise HarborTaskError(tid, "instruction.md", "not UTF-8 text") from None
+    if not prompt:
+        raise HarborTaskError(tid, "instruction.md", "empty")
+    cfg = _parse_toml(tid, path / "task.toml")
+    test_sh = path / "tests" / "test.sh"
+    if not test_sh.is_file():
+        raise HarborTaskError(tid, "tests/test.sh", "missing: the verifier that writes "
+                              f"{VERIFIER_DIR}/reward.txt or reward.json")
+    env = cfg["environment"]
+    dockerfile = path / "environment" / "Dockerfile"
+    if dockerfile.is_file():
+        _check_dockerfile(tid, dockerfile)
+    elif env["docker_image"] is None:
+        raise HarborTaskError(tid, "environment/Dockerfile", "missing, and task.toml names no "
+                              "[environment] docker_image: say what the task runs in")
+    spec = EnvironmentSpec(
+        dockerfile=dockerfile if dockerfile.is_file() else None,
+        context=dockerfile.parent if dockerfile.is_file() else None,
+        docker_image=env["docker_image"], workdir=env["workdir"], env=env["env"],
+        cpus=env["cpus"], memory_mb=env["memory_mb"], storage_mb=env["storage_mb"],
+        allow_internet=env["allow_internet"], build_timeout_s=env["build_timeout"],
+    )
+    solve = path / "solution" / "solve.sh"
+    return Task(
+        task_id=tid, prompt=prompt,
+        grader=VerifierScript(path / "tests", cfg["verifier_timeout"], cfg["verifier_env"]),
+        family=str(cfg["metadata"].get("category", "")), environment=spec,
+        time_limit_s=cfg["agent_timeout"], source=path,
+        oracle=Oracle(solve.parent, cfg["solution_env"]) if solve.is_file() else None,
+        metadata={"name": cfg["name"], "description": cfg["description"],
+                  "metadata": cfg["metadata"], "version": cfg["version"]},
+    )
+
+
+def _check_dockerfile(tid: str, dockerfile: Path) -> None:
+    """Refuse, at load time, a Dockerfile outside the subset tidal builds."""
+    from tidal.sandbox.dockerfile import DockerfileError, parse_dockerfile
+
+    try:
+        parse_dockerfile(dockerfile.read_text(encoding="utf-8"), "environment/Dockerfile")
+    except UnicodeDecodeError:
+        raise HarborTaskError(tid, "environment/Dockerfile", "not UTF-8 text") from None
+    except DockerfileError as e:
+        raise HarborTaskError(tid, "environment/Dockerfile",
+                              str(e).removeprefix("environment/Dockerfile ")) from None
+
+
+def task_dirs(root: Path | str) -> list[Path]:
+    """The task directories under `root` (or `root` itself when it is one, or a built-in
+    set's name: `HARBOR_SETS`), by name."""
+    root = HARBOR_SETS.get(str(root), Path(root))
+    if not root.is_dir():
+        raise TaskError(f"task directory {str(root)!r} does not exist")
+    if looks_like_task(root):
+        return [root]
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    found = [p for p in dirs if looks_like_task(p)]
+    if not found:
+        raise TaskError(f"{str(root)!r} holds no Harbor tasks (no subdirectory with a "
+                        "task.toml or an instruction.md)")
+    return found
+
+
+def load_tasks(root: Path | str) -> list[Task]:
+    """Every task under `root`; the first malformed one is refused (`tidal tasks check`
+    lists them all)."""
+    return [load_task(p) for p in task_dirs(root)]

@@ -1,0 +1,1 @@
+"""The internal HTTP client."""

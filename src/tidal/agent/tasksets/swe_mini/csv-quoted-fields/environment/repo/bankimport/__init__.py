@@ -1,0 +1,1 @@
+"""Bank statement import."""

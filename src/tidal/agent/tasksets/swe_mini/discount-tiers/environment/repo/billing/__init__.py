@@ -1,0 +1,1 @@
+"""Wholesale order pricing."""

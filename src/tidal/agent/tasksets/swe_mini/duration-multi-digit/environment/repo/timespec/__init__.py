@@ -1,0 +1,1 @@
+"""Durations for the scheduler's config."""

@@ -1,0 +1,1 @@
+"""Line-oriented text helpers."""

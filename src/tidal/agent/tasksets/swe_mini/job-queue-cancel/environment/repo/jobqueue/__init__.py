@@ -1,0 +1,1 @@
+"""The worker pool's job queue."""

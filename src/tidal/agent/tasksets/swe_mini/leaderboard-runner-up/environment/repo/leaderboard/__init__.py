@@ -1,0 +1,1 @@
+"""Tournament scores and rankings."""

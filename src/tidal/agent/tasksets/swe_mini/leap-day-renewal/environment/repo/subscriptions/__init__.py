@@ -1,0 +1,1 @@
+"""Subscription renewal dates."""

@@ -1,0 +1,1 @@
+"""A ledger of amounts in integer cents."""

@@ -1,0 +1,1 @@
+"""Package dependencies of the monorepo."""

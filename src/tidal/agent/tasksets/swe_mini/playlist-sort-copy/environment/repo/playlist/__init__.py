@@ -1,0 +1,1 @@
+"""Playlists for the music player."""

@@ -1,0 +1,1 @@
+"""URL helpers."""

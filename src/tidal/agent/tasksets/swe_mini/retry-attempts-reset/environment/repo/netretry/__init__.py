@@ -1,0 +1,1 @@
+"""Retrying flaky network calls."""

@@ -1,0 +1,1 @@
+"""Login sessions."""

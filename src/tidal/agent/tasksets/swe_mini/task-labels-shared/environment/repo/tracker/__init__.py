@@ -1,0 +1,1 @@
+"""A minimal task tracker."""

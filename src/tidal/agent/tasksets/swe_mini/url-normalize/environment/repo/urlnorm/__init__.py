@@ -1,0 +1,1 @@
+"""Canonical URLs for the crawler."""

@@ -1,0 +1,1 @@
+"""The user directory behind the user API."""

@@ -1,0 +1,275 @@
+"""The one place where `tidal run` chooses its components by name.
+
+Every seam a user may fill resolves here, from a built-in name or `module:attr` (an
+importable module and an attribute path in it), so a user extends tidal without
+editing it:
+
+- task source (`tasks.source`, `tasks.heldout_source`): files, digits, tools, mixed,
+  swe-mini, or a directory of Harbor tasks; module:attr is a list of `Task`s or a
+  `TaskSet`, or a callable returning one;
+- harness (`agent.harness`): builtin, command; module:attr is fn(EpisodeContext) ->
+  HarnessResult | None, or an object (or class) with `.run(ctx)`;
+- sandbox runtime (`rollout.sandbox`): bwrap, local; module:attr is fn(SandboxConfig) ->
+  a context manager yielding a `ToolRuntime`;
+- engine (`engine.kind`): embedded; module:attr is fn(weights_dir, **options) -> Engine;
+- scheduler backend (`schedule.backend`): local; module:attr is fn(devices, slots) ->
+  Backend.
+
+The config validates names when it is read (`check_*`); objects are imported and built
+when the run starts (`make_*`), with errors that name the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tidal.agent.episode import FunctionHarness, Harness
+from tidal.agent.harbor import HARBOR_SETS, load_tasks
+from tidal.agent.runtime import ToolRuntime
+from tidal.agent.tasks import TASK_SETS, Task, TaskError, TaskSet, load_taskset
+from tidal.sandbox import SandboxConfig
+
+if TYPE_CHECKING:
+    from tidal.agent.environment import Environments
+    from tidal.agent.harness import AgentConfig
+    from tidal.run.config import RunConfig, TasksConfig
+    from tidal.schedule.scheduler import Scheduler
+
+BUILTIN_TASK_SOURCES: tuple[str, ...] = (*TASK_SETS, *HARBOR_SETS)
+BUILTINS: dict[str, tuple[str, ...]] = {
+    "agent.harness": ("builtin", "command"),
+    "rollout.sandbox": ("bwrap", "local"),
+    "engine.kind": ("embedded",),
+    "schedule.backend": ("local",),
+}
+_ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+RuntimeFactory = Callable[[SandboxConfig], contextlib.AbstractContextManager[ToolRuntime]]
+
+
+class ComponentError(ValueError):
+    """A component could not be resolved; the message names the config key."""
+
+
+def is_attr(value: str) -> bool:
+    """Whether `value` reads as `module:attr` (not a path: no '/')."""
+    return bool(_ATTR.match(value))
+
+
+def load_attr(spec: str, key: str) -> Any:
+    """Import `module:attr.path` for config key `key`."""
+    if not is_attr(spec):
+        raise ComponentError(f"{key} {spec!r} is not module:attr")
+    mod_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ComponentError(f"{key} {spec!r}: cannot import {mod_name!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ComponentError(f"{key} {spec!r}: {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_named(key: str, value: str) -> None:
+    """A built-in name of `key`'s seam, or module:attr syntax (imported at run start)."""
+    if value not in BUILTINS[key] and not is_attr(value):
+        raise ValueError(f"{key} {value!r} is neither a built-in ({', '.join(BUILTINS[key])}) "
+                         "nor module:attr")
+
+
+def check_task_source(value: str, key: str) -> None:
+    if value in BUILTIN_TASK_SOURCES or is_attr(value):
+        return
+    if not Path(value).is_dir():
+        raise ValueError(f"{key} {value!r} is not a built-in task set "
+                         f"({', '.join(BUILTIN_TASK_SOURCES)}), an existing directory of "
+                         "Harbor tasks, nor module:attr")
+
+
+def check_harness(harness: str, command: str) -> None:
+    check_named("agent.harness", harness)
+    if harness == "command" and not command.strip():
+        raise ValueError("agent.harness = \"command\" needs agent.command (the command line "
+                         "to run in the sandbox)")
+    if harness != "command" and command.strip():
+        raise ValueError(f"agent.command is only used with agent.harness = \"command\" "
+                         f"(harness is {harness!r})")
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def load_task_source(value: str, *, seed: int, key: str) -> TaskSet | list[Task]:
+    """The tasks behind a `tasks.source` value: a built-in set (its own train/held-out
+    split), a directory of Harbor tasks, or what `module:attr` gives."""
+    if value in TASK_SETS:
+        return load_taskset(value, seed=seed)
+    if value in HARBOR_SETS:
+        return load_tasks(value)
+    if is_attr(value):
+        obj = load_attr(value, key)
+        if callable(obj) and not isinstance(obj, TaskSet):
+            params = inspect.signature(obj).parameters
+            obj = obj(seed=seed) if "seed" in params else obj()
+        if isinstance(obj, TaskSet):
+            return obj
+        tasks = list(obj) if isinstance(obj, list | tuple) else None
+        if not tasks or not all(isinstance(t, Task) for t in tasks):
+            raise ComponentError(f"{key} {value!r} must give a TaskSet or a non-empty list of "
+                                 f"Task, got {type(obj).__name__}")
+        return tasks
+    return load_tasks(Path(value))
+
+
+@dataclass(frozen=True)
+class Tasks:
+    train: tuple[Task, ...]
+    heldout: tuple[Task, ...]
+
+
+def select_tasks(cfg: TasksConfig, seed: int) -> Tasks:
+    """Training and held-out tasks: from `heldout_source` when given, else the source's
+    own split (built-in sets), else a split of `heldout_size` tasks drawn with `seed`;
+    then the first `train_size` / `heldout_size` of each."""
+    src = load_task_source(cfg.source, seed=seed, key="tasks.source")
+    if cfg.heldout_source:
+        held = load_task_source(cfg.heldout_source, seed=seed, key="tasks.heldout_source")
+        train = list(src.train if isinstance(src, TaskSet) else src)
+        heldout = list(held.heldout if isinstance(held, TaskSet) else held)
+        both = {t.task_id for t in train} & {t.task_id for t in heldout}
+        if both:
+            raise ComponentError(f"tasks {sorted(both)[:3]} are in both tasks.source and "
+                                 "tasks.heldout_source: held-out tasks must not be trained on")
+    elif isinstance(src, TaskSet):
+        train, heldout = list(src.train), list(src.heldout)
+    else:
+        if len(src) <= cfg.heldout_size:
+            raise ComponentError(f"tasks.source {cfg.source!r} has {len(src)} tasks: a held-out "
+                                 f"split of tasks.heldout_size = {cfg.heldout_size} leaves none "
+                                 "to train on (lower heldout_size or give tasks.heldout_source)")
+        order = sorted(src, key=lambda t: t.task_id)
+        random.Random(seed).shuffle(order)
+        heldout, train = order[: cfg.heldout_size], order[cfg.heldout_size:]
+    return Tasks(tuple(train[: cfg.train_size]), tuple(heldout[: cfg.heldout_size]))
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def make_harness(cfg: RunConfig, agent_cfg: AgentConfig) -> Harness:
+    from tidal.agent.command import CommandHarness
+    from tidal.agent.harness import BuiltinHarness
+
+    name = cfg.agent.harness
+    if name == "builtin":
+        return BuiltinHarness(agent_cfg)
+    if name == "command":
+        return CommandHarness(cfg.agent.command, env=dict(cfg.agent.env))
+    obj = load_attr(name, "agent.harness")
+    if isinstance(obj, type):
+        obj = obj()
+    if isinstance(obj, Harness):
+        return obj
+    if callable(obj):
+        return FunctionHarness(obj)
+    raise ComponentError(f"agent.harness {name!r} is neither a callable nor has .run(ctx)")
+
+
+# --------------------------------------------------------------------------- runtimes
+
+
+@contextlib.contextmanager
+def local_runtime(config: SandboxConfig) -> Iterator[ToolRuntime]:
+    """A plain temporary directory: NOT isolated; for trusted tasks and tests only. It
+    cannot give a task its environment (image, layers, binds), so it refuses one."""
+    import tempfile
+
+    from tidal.agent.runtime import LocalDirRuntime
+
+    if config.image is not None or config.layers or config.binds:
+        raise TaskError("rollout.sandbox = \"local\" cannot build a task's environment "
+                        "(image, layers, mounts): use \"bwrap\"")
+    with tempfile.TemporaryDirectory(prefix="tidal-ep-") as d:
+        yield LocalDirRuntime(Path(d))
+
+
+def make_runtime_factory(kind: str) -> RuntimeFactory:
+    from tidal.agent.sandboxed import sandboxed_runtime
+
+    if kind == "bwrap":
+        return sandboxed_runtime
+    if kind == "local":
+        return local_runtime
+    obj = load_attr(kind, "rollout.sandbox")
+    if not callable(obj):
+        raise ComponentError(f"rollout.sandbox {kind!r} is not callable")
+    factory: RuntimeFactory = obj
+    return factory
+
+
+def make_environments(cfg: RunConfig) -> Environments:
+    from tidal.agent.environment import Environments
+    from tidal.engine.tiny import default_cache_root
+
+    env = cfg.environment
+    return Environments(dict(env.images), env.fallback or None,
+                        Path(env.cache_dir) if env.cache_dir else default_cache_root() / "envs")
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_version: int,
+                model_name: str) -> Any:
+    """The engine `tidal run` samples with."""
+    if cfg.engine.kind == "embedded":
+        from tidal.engine.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(weights_dir, device=device, policy_version=policy_version,
+                              model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
+                              prefix_cache_mb=cfg.rollout.prefix_cache_mb)
+    factory = load_attr(cfg.engine.kind, "engine.kind")
+    return factory(weights_dir, device=device, policy_version=policy_version,
+                   model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
+                   prefix_cache_mb=cfg.rollout.prefix_cache_mb)
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0) -> Scheduler:
+    """The elastic scheduler over `schedule.devices` devices of `schedule.backend`,
+    `rollout.tasks_per_step` groups per step, staleness bound `rl.max_staleness`. On the
+    local backend a role switch moves no model (the engine and the trainer are both in
+    this process), so the policy is told switches are free; `mean_group_s` scales the
+    elastic policy's time constants."""
+    from tidal.schedule.local import LocalBackend
+    from tidal.schedule.policy import policy_named
+    from tidal.schedule.scheduler import Scheduler
+    from tidal.schedule.types import PoolConfig
+
+    s = cfg.schedule
+    if s.backend == "local":
+        backend: Any = LocalBackend(s.devices, s.groups_per_device, mode="thread")
+    else:
+        backend = load_attr(s.backend, "schedule.backend")(s.devices, s.groups_per_device)
+    config = PoolConfig(
+        n_devices=s.devices, batch_size=cfg.rollout.tasks_per_step,
+        slots_per_device=s.groups_per_device, max_staleness=cfg.rl.max_staleness,
+        rollout_to_train_s=0.0, train_to_rollout_s=0.0, rate_window_s=mean_group_s / 4,
+    )
+    return Scheduler(backend, policy_named(s.policy, train_devices=s.train_devices,
+                                           mean_group_s=mean_group_s), config)

@@ -1,0 +1,239 @@
+"""Harbor tasks: read from TB2-layout directories, refused with the task and file when
+malformed, graded by their test.sh in a real sandbox (reward.txt / reward.json rules)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agent.harbor_tasks import IMAGES, write_task
+from tidal.agent.environment import Environments
+from tidal.agent.harbor import (
+    HarborTaskError,
+    RewardError,
+    VerifierScript,
+    load_task,
+    load_tasks,
+    read_reward,
+    run_oracle,
+)
+from tidal.agent.runtime import ToolRuntime
+from tidal.agent.sandboxed import sandboxed_runtime
+from tidal.agent.tasks import Task, TaskError, prepare
+from tidal.sandbox import Limits, SandboxConfig
+
+LIMITS = Limits(memory_bytes=256 << 20, cpu_s=60.0, wall_s=60.0, disk_bytes=128 << 20)
+
+
+def test_a_tb2_task_directory_reads_with_every_field(tmp_path: Path) -> None:
+    d = write_task(tmp_path, agent_timeout=900.0, verifier_timeout=300.0)
+    task = load_task(d)
+    assert task.task_id == "hello-world" and task.prompt.startswith("Create a file")
+    assert task.time_limit_s == 900.0 and task.family == "file-operations"
+    assert isinstance(task.grader, VerifierScript) and task.grader.timeout_s == 300.0
+    env = task.environment
+    assert env is not None and env.dockerfile == d / "environment" / "Dockerfile"
+    assert env.docker_image == "alexgshaw/hello-world:20251031"
+    assert (env.memory_mb, env.storage_mb, env.cpus) == (2048, 10240, 1.0)  # "2G", "10G"
+    assert env.allow_internet and env.workdir is None  # Harbor's default; the Dockerfile's
+    assert task.oracle is not None and task.oracle.directory == d / "solution"
+    assert task.metadata["metadata"]["expert_time_estimate_min"] == 1.0
+
+
+def test_the_newer_task_table_and_env_fields_read(tmp_path: Path) -> None:
+    toml = ('version = "1.0"\n[task]\nname = "org/hello"\ndescription = "say hello"\n'
+            '[verifier]\nenv = { TOKEN = "x" }\n[solution]\nenv = { MODE = "oracle" }\n'
+            '[environment]\nworkdir = "/srv"\nmemory_mb = 512\nallow_internet = false\n'
+            'env = { LANGUAGE = "en" }\n')
+    task = load_task(write_task(tmp_path, toml=toml))
+    assert task.metadata["name"] == "org/hello" and task.metadata["description"] == "say hello"
+    assert task.grader.env == {"TOKEN": "x"}  # type: ignore[attr-defined]
+    assert task.oracle is not None and task.oracle.env == {"MODE": "oracle"}
+    assert task.environment is not None
+    assert (task.environment.workdir, task.environment.memory_mb) == ("/srv", 512)
+    assert task.environment.env == {"LANGUAGE": "en"} and not task.environment.allow_internet
+    assert task.time_limit_s == 600.0  # Harbor's default agent timeout
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "file", "problem"),
+    [
+        ({"instruction": None}, "instruction.md", "missing"),
+        ({"instruction": "  \n"}, "instruction.md", "empty"),
+        ({"toml": "version = \n"}, "task.toml", "not valid TOML"),
+        ({"toml": "[agent]\ntimeout_sec = \"soon\"\n"}, "task.toml",
+         "[agent].timeout_sec must be a positive number"),
+        ({"toml": "[environment]\nmemory = \"lots\"\n"}, "task.toml", "is not a size"),
+        ({"toml": "[environment]\nworkdir = \"app\"\n"}, "task.toml", "must be an absolute path"),
+        ({"toml": "environment = 3\n"}, "task.toml", "[environment] must be a table"),
+        ({"test_sh": None}, "tests/test.sh", "missing"),
+        ({"dockerfile": None, "toml": "version = \"1.0\"\n"}, "environment/Dockerfile",
+         "names no [environment] docker_image"),
+        ({"dockerfile": "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y curl\n"},
+         "environment/Dockerfile", "line 2"),
+        ({"dockerfile": "FROM a\nFROM b\n"}, "environment/Dockerfile", "line 2"),
+    ],
+)
+def test_a_malformed_task_is_refused_naming_the_task_and_the_file(
+    tmp_path: Path, kwargs: dict[str, str | None], file: str, problem: str
+) -> None:
+    d = write_task(tmp_path, "broken-1", **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(HarborTaskError) as e:
+        load_task(d)
+    assert (e.value.task, e.value.file) == ("broken-1", file)
+    assert problem in e.value.problem, e.value.problem
+    assert str(e.value).startswith(f"task 'broken-1': {file}: ")
+
+
+def test_a_missing_task_toml_and_a_bad_directory_name_are_refused(tmp_path: Path) -> None:
+    d = write_task(tmp_path, "no-toml")
+    (d / "task.toml").unlink()
+    with pytest.raises(HarborTaskError, match=r"'no-toml': task.toml: missing"):
+        load_task(d)
+    with pytest.raises(HarborTaskError, match="letters, digits"):
+        load_task(write_task(tmp_path, "has space"))
+
+
+def test_a_directory_of_tasks_loads_by_name_and_an_empty_one_is_refused(tmp_path: Path) -> None:
+    for name in ("b-task", "a-task"):
+        write_task(tmp_path / "set", name)
+    (tmp_path / "set" / ".hidden").mkdir()
+    (tmp_path / "set" / "notes").mkdir()  # not a task: skipped
+    assert [t.task_id for t in load_tasks(tmp_path / "set")] == ["a-task", "b-task"]
+    assert [t.task_id for t in load_tasks(tmp_path / "set" / "a-task")] == ["a-task"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TaskError, match="holds no Harbor tasks"):
+        load_tasks(tmp_path / "empty")
+    with pytest.raises(TaskError, match="does not exist"):
+        load_tasks(tmp_path / "nowhere")
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+@pytest.mark.parametrize(
+    ("txt", "js", "reward", "numbers"),
+    [
+        ("0.5\n", None, 0.5, {"reward": 0.5}),
+        ("1", '{"reward": 0.0}', 1.0, {"reward": 1.0}),  # reward.txt first, as Harbor
+        (None, '{"reward": 0.25, "tests_passed": 3}', 0.25, {"reward": 0.25, "tests_passed": 3}),
+        (None, '{"accuracy": 0.75, "note": "x"}', 0.75, {"accuracy": 0.75}),
+    ],
+)
+def test_rewards_are_read_from_reward_txt_then_reward_json(
+    txt: str | None, js: str | None, reward: float, numbers: dict[str, float]
+) -> None:
+    assert read_reward(txt, js) == (reward, numbers)
+
+
+@pytest.mark.parametrize(
+    ("txt", "js", "message"),
+    [
+        (None, None, "wrote no reward"),
+        ("", None, "not a number"),
+        ("nan", None, "not a finite number"),
+        ("inf\n", None, "not a finite number"),
+        (None, "[1]", "object of numbers"),
+        (None, "{bad", "not JSON"),
+        (None, '{"a": 1, "b": 2}', "no 'reward' key"),
+        (None, '{"reward": "high"}', "not a number"),
+        (None, '{"reward": NaN}', "not a finite number"),
+        (None, "{}", "0 numbers"),
+    ],
+)
+def test_an_unusable_reward_is_a_clear_error(txt: str | None, js: str | None,
+                                             message: str) -> None:
+    with pytest.raises(RewardError, match=message):
+        read_reward(txt, js)
+
+
+# --------------------------------------------------------------------------- grading
+
+
+@pytest.fixture
+def app() -> Iterator[ToolRuntime]:
+    with sandboxed_runtime(SandboxConfig(workdir="/app", limits=LIMITS)) as rt:
+        yield rt
+
+
+def _verifier(tmp_path: Path, script: str, timeout_s: float = 30.0) -> VerifierScript:
+    tests = tmp_path / "tests"
+    tests.mkdir(exist_ok=True)
+    (tests / "test.sh").write_text(script)
+    (tests / "data.txt").write_text("fixture\n")
+    return VerifierScript(tests, timeout_s, {"TEST_ENV": "yes"})
+
+
+def test_test_sh_runs_in_the_sandbox_with_tests_at_slash_tests(
+    tmp_path: Path, app: ToolRuntime
+) -> None:
+    script = ('#!/bin/bash\npwd > /logs/verifier/where.txt\n'
+              'cat /tests/data.txt >> /logs/verifier/where.txt\n'
+              'echo "$TEST_ENV" >> /logs/verifier/where.txt\n'
+              'echo 0.5 > /logs/verifier/reward.txt\necho done\n')
+    app.write_file("/logs/verifier/reward.txt", "1")  # planted by the agent: cleared first
+    g = _verifier(tmp_path, script).grade(app)
+    assert g.error is None and g.reward == 0.5 and g.partial_score == 0.5
+    assert g.by_kind == {"tests": 0.5} and not g.success
+    assert app.read_file("/logs/verifier/where.txt") == "/app\nfixture\nyes\n"
+    assert "done" in g.extra["output"] and g.extra["exit_code"] == 0
+
+
+@pytest.mark.parametrize(
+    ("script", "reward", "error"),
+    [
+        ('echo \'{"reward": 1.0, "passed": 4}\' > /logs/verifier/reward.json', 1.0, None),
+        ("exit 3", None, "wrote no reward (/logs/verifier/reward.txt or reward.json) "
+                         "(test.sh exited with 3)"),
+        ("echo nan > /logs/verifier/reward.txt", None, "not a finite number"),
+        ("sleep 30", None, "did not finish within 1 s"),
+    ],
+)
+def test_what_test_sh_leaves_decides_the_grade(
+    tmp_path: Path, app: ToolRuntime, script: str, reward: float | None, error: str | None
+) -> None:
+    g = _verifier(tmp_path, f"#!/bin/bash\n{script}\n", timeout_s=1.0).grade(app)
+    if error is None:
+        assert g.error is None and g.reward == reward and g.success
+        assert g.extra["rewards"] == {"reward": 1.0, "passed": 4.0}
+    else:
+        assert g.error is not None and error in g.error and g.reward == 0.0
+        assert not g.success and math.isfinite(g.reward)
+
+
+def test_a_tb2_task_builds_grades_untouched_and_after_its_oracle(tmp_path: Path) -> None:
+    """The whole path of one task: its Dockerfile (FROM ubuntu:24.04 mapped to the
+    default image) built, an episode's sandbox from it, test.sh's partial credit."""
+    task = load_task(write_task(tmp_path / "tasks"))
+    envs = Environments(IMAGES, None, tmp_path / "cache")
+    config = envs.sandbox_config(task, SandboxConfig(limits=LIMITS))
+    assert config.workdir == "/app" and config.limits.memory_bytes == 2048 << 20
+
+    def graded(oracle: bool) -> float:
+        with sandboxed_runtime(config) as rt:
+            prepare(task, rt)
+            if oracle:
+                assert run_oracle(task, rt) is None
+            g = task.grader.grade(rt)
+            assert g.error is None, g.error
+            return g.reward
+
+    assert graded(False) == 0.0
+    assert graded(True) == 1.0
+    with sandboxed_runtime(config) as rt:  # partial credit: the file, the wrong text
+        rt.write_file("hello.txt", "hi")
+        assert task.grader.grade(rt).reward == 0.5
+
+
+def test_an_unmapped_from_is_refused_with_the_remedy(tmp_path: Path) -> None:
+    task: Task = load_task(write_task(tmp_path))
+    envs = Environments({}, None, tmp_path / "cache")
+    with pytest.raises(TaskError,
+                       match=r"task 'hello-world': .*ubuntu:24\.04.*\[environment\] images"):
+        envs.sandbox_config(task, SandboxConfig())
+    fallback = Environments({}, "default", tmp_path / "cache")
+    assert fallback.sandbox_config(task, SandboxConfig()).image is None  # the default image
+

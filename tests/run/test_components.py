@@ -1,0 +1,140 @@
+"""Components by name: built-ins and module:attr for every seam, resolved in one place,
+with errors that name the config key; and the run config's new sections."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agent.harbor_tasks import write_task
+from tidal.agent.command import CommandHarness
+from tidal.agent.episode import EpisodeContext, FunctionHarness, HarnessResult
+from tidal.agent.harness import AgentConfig, BuiltinHarness
+from tidal.agent.tasks import FileChecks, FileExists, Task, TaskSet, files_taskset
+from tidal.run import components
+from tidal.run.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+
+TASKS = [Task(f"t{i}", f"do {i}", FileChecks((FileExists("x"),))) for i in range(6)]
+
+
+class UserHarness:
+    def run(self, ctx: EpisodeContext) -> HarnessResult:
+        return HarnessResult("complete")
+
+
+def user_fn(ctx: EpisodeContext) -> HarnessResult | None:
+    return None
+
+
+@pytest.fixture
+def user_module() -> Iterator[str]:
+    """A user's module, importable by name, as their own package would be."""
+    mod = types.ModuleType("tidal_user_mod")
+    mod.TASKS = TASKS  # type: ignore[attr-defined]
+    mod.make_tasks = lambda seed: TASKS[: 3 + seed]  # type: ignore[attr-defined]
+    mod.taskset = lambda: TaskSet("u", tuple(TASKS[:4]), tuple(TASKS[4:]))  # type: ignore[attr-defined]
+    mod.UserHarness = UserHarness  # type: ignore[attr-defined]
+    mod.user_fn = user_fn  # type: ignore[attr-defined]
+    mod.nothing = 3  # type: ignore[attr-defined]
+    sys.modules["tidal_user_mod"] = mod
+    yield "tidal_user_mod"
+    del sys.modules["tidal_user_mod"]
+
+
+def _cfg(**sections: dict[str, object]) -> RunConfig:
+    return parse_config(dict(sections))
+
+
+def test_module_attr_loads_and_says_what_is_missing(user_module: str) -> None:
+    assert components.load_attr(f"{user_module}:TASKS", "k") is TASKS
+    with pytest.raises(components.ComponentError, match=r"k 'nope_mod:x': cannot import"):
+        components.load_attr("nope_mod:x", "k")
+    with pytest.raises(components.ComponentError, match="has no attribute 'missing'"):
+        components.load_attr(f"{user_module}:missing", "k")
+    assert components.is_attr("a.b:c.d") and not components.is_attr("./tasks")
+    assert not components.is_attr("/srv/tasks") and not components.is_attr("files")
+
+
+def test_task_sources_resolve_from_builtins_directories_and_module_attr(
+    user_module: str, tmp_path: Path
+) -> None:
+    def select(source: str, heldout: str = "", **kw: int) -> components.Tasks:
+        cfg = _cfg(tasks={"source": source, "heldout_source": heldout, **kw})
+        return components.select_tasks(cfg.tasks, seed=kw.get("seed_", 0))
+
+    files = select("files")  # a built-in set keeps its own split
+    assert [t.task_id for t in files.heldout] == [t.task_id for t in files_taskset().heldout]
+    swe = select("swe-mini", heldout_size=8)
+    assert len(swe.heldout) == 8 and len(swe.train) >= 22
+    assert not {t.task_id for t in swe.train} & {t.task_id for t in swe.heldout}
+    assert [t.task_id for t in select(f"{user_module}:taskset").heldout] == ["t4", "t5"]
+    split = select(f"{user_module}:TASKS", heldout_size=2)
+    assert len(split.heldout) == 2 and len(split.train) == 4
+    assert split == select(f"{user_module}:TASKS", heldout_size=2)  # the same seeded split
+    assert len(select(f"{user_module}:make_tasks", heldout_size=1).train) == 2  # seed=0: 3
+    for i in range(3):
+        write_task(tmp_path / "mine", f"task-{i}")
+    mine = select(str(tmp_path / "mine"), heldout=f"{user_module}:TASKS", train_size=2)
+    assert [t.task_id for t in mine.train] == ["task-0", "task-1"] and len(mine.heldout) == 6
+    with pytest.raises(components.ComponentError, match="leaves none to train on"):
+        select(str(tmp_path / "mine"), heldout_size=3)
+    with pytest.raises(components.ComponentError, match=r"in both tasks\.source and"):
+        select(f"{user_module}:TASKS", heldout=f"{user_module}:TASKS")
+    with pytest.raises(components.ComponentError, match="must give a TaskSet or a non-empty"):
+        select(f"{user_module}:nothing")
+
+
+def test_harnesses_resolve_by_name(user_module: str) -> None:
+    agent = AgentConfig()
+    assert isinstance(components.make_harness(_cfg(), agent), BuiltinHarness)
+    cmd = components.make_harness(
+        _cfg(agent={"harness": "command", "command": "run-agent", "env": {"A": "1"}},
+             warmstart={"steps": 0}), agent)
+    assert isinstance(cmd, CommandHarness) and cmd.env == {"A": "1"}
+    cls = components.make_harness(_cfg(agent={"harness": f"{user_module}:UserHarness"},
+                                       warmstart={"steps": 0}), agent)
+    assert isinstance(cls, UserHarness)
+    fn = components.make_harness(_cfg(agent={"harness": f"{user_module}:user_fn"},
+                                      warmstart={"steps": 0}), agent)
+    assert isinstance(fn, FunctionHarness) and fn.fn is user_fn
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"tasks": {"source": "/nowhere/tasks"}}, "tasks.source '/nowhere/tasks' is not a"),
+        ({"tasks": {"heldout_source": "chess"}}, "tasks.heldout_source 'chess' is not a"),
+        ({"tasks": {"name": "chess"}}, "tasks.name 'chess' is not a built-in task set"),
+        ({"tasks": {"name": "files", "source": "digits"}}, "disagree"),
+        ({"agent": {"harness": "command"}}, "needs agent.command"),
+        ({"agent": {"harness": "claude"}}, "agent.harness 'claude' is neither a built-in"),
+        ({"agent": {"command": "x"}}, "only used with agent.harness"),
+        ({"agent": {"mounts": ["relative:/opt"]}}, "agent.mounts"),
+        ({"agent": {"harness": "command", "command": "x"}}, "set warmstart.steps = 0"),
+        ({"rollout": {"sandbox": "docker"}}, "rollout.sandbox 'docker' is neither"),
+        ({"engine": {"kind": "vllm-magic"}}, "engine.kind"),
+        ({"schedule": {"backend": "slurm"}}, "schedule.backend"),
+        ({"environment": {"imagez": {}}}, r"environment\.imagez: unknown key"),
+    ],
+)
+def test_bad_components_are_refused_naming_the_key(
+    sections: dict[str, dict[str, object]], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(sections)  # type: ignore[arg-type]
+
+
+def test_the_older_tasks_name_reads_and_new_sections_round_trip(tmp_path: Path) -> None:
+    assert parse_config({"tasks": {"name": "digits"}}).tasks.source == "digits"
+    cfg = _cfg(agent={"harness": "command", "command": "mini -t \"$TIDAL_INSTRUCTION\"",
+                      "mounts": [f"{tmp_path}:/opt/a"], "env": {"K": "v \"q\""},
+                      "timeout_sec": 30.0},
+               environment={"images": {"ubuntu:24.04": "default"}, "fallback": "default"},
+               warmstart={"steps": 0})
+    p = tmp_path / "c.toml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
