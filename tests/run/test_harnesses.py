@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -44,10 +46,16 @@ if mode != "no-call":
     print("model said:", reply["choices"][0]["message"]["content"])
 with open("answer.txt", "w") as f:
     f.write("42")
+import socket
+try:  # a host port that is not the gateway's: unreachable from the sandbox
+    socket.create_connection(("127.0.0.1", int(os.environ["OTHER_PORT"])), timeout=2).recv(8)
+    other = "reached"
+except OSError as e:
+    other = type(e).__name__
 keys = ["OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "TIDAL_MODEL",
         "TIDAL_SESSION_ID", "TIDAL_TASK_ID", "TIDAL_INSTRUCTION", "TIDAL_INSTRUCTION_FILE",
         "TIDAL_GATEWAY_URL", "EXTRA"]
-json.dump({k: os.environ.get(k) for k in keys} | {"cwd": os.getcwd(),
+json.dump({k: os.environ.get(k) for k in keys} | {"cwd": os.getcwd(), "other": other,
           "instruction_file": open(os.environ["TIDAL_INSTRUCTION_FILE"]).read()},
           open("/tmp/env.json", "w"))
 print("to stderr", file=sys.stderr)
@@ -75,9 +83,37 @@ def live(tmp_path: Path) -> Iterator[tuple[GatewayServer, LedgerStore, Path]]:
     store.close()
 
 
+OTHER_PORT = 0  # set by the `other_service` fixture: a host service the harness must not reach
+
+
+@pytest.fixture(autouse=True)
+def other_service() -> Iterator[None]:
+    """A real TCP service on the host's loopback, answering every connection."""
+    global OTHER_PORT
+    srv = socket.create_server(("127.0.0.1", 0))
+    OTHER_PORT = srv.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = srv.accept()
+                conn.sendall(b"hello")
+                conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield
+    stop.set()
+    t.join()
+    srv.close()
+
+
 def _rollouts(srv: GatewayServer, store: LedgerStore, agent: Path, mode: str, *,
               time_limit_s: float = 60.0, log_dir: Path | None = None) -> Rollouts:
-    harness = CommandHarness(f"python3 /opt/agent/agent.py {mode}", env={"EXTRA": "1"})
+    harness = CommandHarness(f"python3 /opt/agent/agent.py {mode}",
+                             env={"EXTRA": "1", "OTHER_PORT": str(OTHER_PORT)})
     base = SandboxConfig(allow_ports=(srv.port,), binds=(Bind(str(agent), "/opt/agent"),),
                          workdir="/work", limits=Limits(memory_bytes=256 << 20))
     return Rollouts(srv.base_url, "scripted", harness, sandboxed_runtime, store, sandbox=base,
@@ -105,6 +141,9 @@ def test_a_command_harness_is_told_everything_by_its_environment(
     assert seen["TIDAL_INSTRUCTION"] == seen["instruction_file"] == TASK.prompt
     assert (seen["TIDAL_MODEL"], seen["EXTRA"], seen["cwd"]) == ("scripted", "1", "/work")
     assert seen["OPENAI_API_KEY"] and seen["TIDAL_GATEWAY_URL"] == srv.base_url
+    with socket.create_connection(("127.0.0.1", OTHER_PORT), timeout=5) as host:
+        assert host.recv(8) == b"hello"  # the host reaches that service...
+    assert seen["other"] == "ConnectionRefusedError"  # ...the harness only the gateway
     calls = store.call_log("cmd-ok").calls
     assert len(calls) == 1 and calls[0].call.task_id == "answer-42"  # grouped with no header
     outcome = store.outcome("cmd-ok")
