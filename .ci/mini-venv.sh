@@ -20,6 +20,12 @@ if [[ -x "$VENV/bin/mini" && -f "$STAMP" ]] && grep -qx "$VERSION" "$STAMP"; the
   exit 0
 fi
 [[ -x /usr/bin/python3 ]] || { echo "mini-venv: /usr/bin/python3 is missing (.ci/sandbox-deps.sh)" >&2; exit 1; }
+if ! /usr/bin/python3 -c "import ensurepip" 2>/dev/null; then  # Debian splits venv out
+  if [[ "$(id -u)" -ne 0 ]]; then
+    echo "mini-venv: /usr/bin/python3 cannot make venvs (apt-get install python3-venv)" >&2; exit 1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+fi
 /usr/bin/python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q "mini-swe-agent==$VERSION"
