@@ -162,7 +162,9 @@ def run_oracle(task: Task, runtime: ToolRuntime, *, timeout_s: float | None = No
     if r.timed_out:
         return "solve.sh did not finish in time"
     if r.exit_code != 0:
-        return f"solve.sh exited with {r.exit_code}: {(r.stderr or r.stdout).strip()[-300:]}"
+        how = (f"was killed by signal {r.exit_code - 128}" if r.exit_code > 128
+               else f"exited with {r.exit_code}")
+        return f"solve.sh {how}: {(r.stderr or r.stdout).strip()[-300:] or '(no output)'}"
     return None
 
 
