@@ -30,6 +30,20 @@ gateway's, while sending, the gateway's whole turn and reading the complete resp
 On a shared 2-core machine the figures include CPU contention with the engine's torch
 threads, the clients and whatever else runs; `load_avg_1m` is printed with them.
 
+`--apis chat responses messages` measures the same added latency (instant engine, one
+session in process) for each API the gateway speaks: chat completions, the Responses API
+(`/v1/responses`, each answer's `output` items appended to the next `input`) and
+Anthropic Messages (`/v1/messages`, the answer's `content` blocks sent back as the
+assistant turn). An API whose endpoint answers 404 is reported as unavailable.
+
+`--workers 1 2` measures `tidal serve --workers N` as a real subprocess (the factories
+`bench.gateway:instant_factory` and `bench.gateway:paced_factory`, the repo root on
+PYTHONPATH; the paced one reads its mean wait from `TIDAL_BENCH_ENGINE_MS`), for each N:
+the instant engine at 1 session and at 32 sessions (`calls_per_s`), and the paced engine
+(the first `--engine-ms`) at 32 sessions; for N > 1 also the router's own cost (`router`:
+single sessions alternately sent straight to worker 0's port and through the router to
+the same worker, the difference of their end-to-end percentiles).
+
 `machine` says how the host treats a process that waits: the same pure-Python job timed
 back to back and after a 200 ms pause (`machine_cold_factor`). A paced call starts after
 such a pause, so on a host with a large `cold_factor` its added latency is that much
@@ -41,8 +55,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import multiprocessing
 import os
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -93,7 +112,67 @@ class PacedEngine(InstantEngine):
         return super().generate(prompts, params)
 
 
+def _stop_id(tokenizer: Any) -> int:
+    return int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+
+def instant_factory(model_dir: Path, tokenizer: Any) -> InstantEngine:
+    """`tidal serve --engine bench.gateway:instant_factory` (repo root on PYTHONPATH)."""
+    return InstantEngine(_stop_id(tokenizer))
+
+
+def paced_factory(model_dir: Path, tokenizer: Any) -> PacedEngine:
+    """`--engine bench.gateway:paced_factory`: waits `TIDAL_BENCH_ENGINE_MS` (200) a call."""
+    return PacedEngine(_stop_id(tokenizer), float(os.environ.get("TIDAL_BENCH_ENGINE_MS", "200")))
+
+
 Sample = tuple[float, float, float]  # end-to-end, engine, in-process gateway (seconds)
+APIS = ("chat", "responses", "messages")
+SYSTEM = "You are a bench agent."
+
+
+class UnavailableError(RuntimeError):
+    """The gateway answered 404 for an API's endpoint."""
+
+
+class _Api:
+    """One API's request shape: the path, headers, body and how an answer extends the
+    conversation (chat completions, OpenAI Responses, Anthropic Messages)."""
+
+    def __init__(self, api: str, max_tokens: int) -> None:
+        self.api = api
+        self.max_tokens = max_tokens
+        self.path = {
+            "chat": "chat/completions",
+            "responses": "responses",
+            "messages": "messages",
+        }[api]
+        self.headers = {"Content-Type": "application/json"}
+        if api == "messages":
+            self.headers |= {"x-api-key": "unused", "anthropic-version": "2023-06-01"}
+        self.turns: list[Any] = (
+            [{"role": "system", "content": SYSTEM}] if api == "chat" else []
+        )
+
+    def body(self, user: str, seed: int) -> dict[str, Any]:
+        self.turns.append({"role": "user", "content": user})
+        if self.api == "chat":
+            return {"model": "tiny", "messages": self.turns, "max_tokens": self.max_tokens,
+                    "seed": seed}
+        if self.api == "responses":
+            return {"model": "tiny", "input": self.turns, "instructions": SYSTEM,
+                    "max_output_tokens": self.max_tokens, "seed": seed}
+        return {"model": "tiny", "system": SYSTEM, "messages": self.turns,
+                "max_tokens": self.max_tokens}
+
+    def answered(self, answer: dict[str, Any]) -> None:
+        if self.api == "chat":
+            content = answer["choices"][0]["message"]["content"]
+            self.turns.append({"role": "assistant", "content": content})
+        elif self.api == "responses":
+            self.turns.extend(answer["output"])
+        else:
+            self.turns.append({"role": "assistant", "content": answer["content"]})
 
 
 _FILLER = ("alpha", "beta", "gamma", "delta", "file", "src/main.py", "def", "return", "{", "\n")
@@ -107,36 +186,38 @@ def run_session(
     *,
     start_s: float = 0.0,
     filler_words: int = 0,
+    api: str = "chat",
 ) -> list[Sample]:
-    """One session of `n_calls` calls, each user message padded with `filler_words`
-    seeded words (a long history: what a tool-heavy agent sends back every call)."""
+    """One session of `n_calls` calls of `api`, each user message padded with
+    `filler_words` seeded words (a long history: what a tool-heavy agent sends back
+    every call). Raises `UnavailableError` when the endpoint answers 404."""
     time.sleep(start_s)
     rng = np.random.default_rng(zlib.crc32(sid.encode()))
     out = []
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a bench agent."}]
+    shape = _Api(api, max_tokens)
     url = urlsplit(base)
-    path = f"/sessions/{sid}/v1/chat/completions"
-    headers = {"Content-Type": "application/json"}
+    path = f"/sessions/{sid}/v1/{shape.path}"
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=300)
     try:
         for i in range(n_calls):
             filler = " ".join(rng.choice(_FILLER, filler_words)) if filler_words else ""
-            msgs.append({"role": "user", "content": f"step {i}: report status {filler}"})
             seed = (zlib.crc32(sid.encode()) + i) % 2**31
-            body = {"model": "tiny", "messages": msgs, "max_tokens": max_tokens, "seed": seed}
-            data = json.dumps(body).encode()
+            data = json.dumps(shape.body(f"step {i}: report status {filler}", seed)).encode()
             t0 = time.perf_counter()
-            conn.request("POST", path, body=data, headers=headers)
+            conn.request("POST", path, body=data, headers=shape.headers)
             r = conn.getresponse()
             payload = r.read()
             e2e = time.perf_counter() - t0
+            if r.status == 404:
+                raise UnavailableError(f"{api}: HTTP 404 on {path}: {payload[:300]!r}")
             if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {payload[:500]!r}")
-            engine = float(r.getheader("x-tidal-engine-ms") or "nan") / 1e3
+                raise RuntimeError(f"{api}: HTTP {r.status}: {payload[:500]!r}")
+            engine_ms = r.getheader("x-tidal-engine-ms")
+            if engine_ms is None:
+                raise RuntimeError(f"{api}: no x-tidal-engine-ms header in the answer")
             inproc = float(r.getheader("x-tidal-gateway-ms") or "nan") / 1e3
-            content = json.loads(payload)["choices"][0]["message"]["content"]
-            msgs.append({"role": "assistant", "content": content})
-            out.append((e2e, engine, inproc))
+            shape.answered(json.loads(payload))
+            out.append((e2e, float(engine_ms) / 1e3, inproc))
     finally:
         conn.close()
     return out
@@ -151,6 +232,7 @@ def client_load(
     *,
     stagger_s: float = 0.0,
     filler_words: int = 0,
+    api: str = "chat",
 ) -> tuple[list[Sample], float]:
     """Run `n_sessions` concurrent sessions (one thread each, session k starting k/n of
     `stagger_s` late) and return their samples and the wall time; runs in a child process
@@ -166,6 +248,7 @@ def client_load(
                 max_tokens,
                 start_s=stagger_s * k / n_sessions,
                 filler_words=filler_words,
+                api=api,
             )
             for k in range(n_sessions)
         ]
@@ -184,7 +267,7 @@ def stats(result: tuple[list[Sample], float]) -> dict[str, float]:
         "calls": len(samples),
         "added_ms_p50": pct(added, 50),
         "added_ms_p99": pct(added, 99),
-        "in_process_ms_p50": pct([i for _, _, i in samples], 50),
+        "in_process_ms_p50": pct([i for _, _, i in samples if not math.isnan(i)] or [0.0], 50),
         "e2e_ms_p50": pct([e for e, _, _ in samples], 50),
         "engine_ms_p50": pct([g for _, g, _ in samples], 50),
         "calls_per_s": round(len(samples) / wall_s, 1),
@@ -198,9 +281,11 @@ def measure(
     *,
     one_session: bool = True,
     stagger_s: float = 0.0,
+    apis: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Added latency at 1 session (unless `one_session` is False) and at 32 sessions whose
-    starts are spread over `stagger_s` (the wall time, and so `calls_per_s`, includes it)."""
+    starts are spread over `stagger_s` (the wall time, and so `calls_per_s`, includes it);
+    then at 1 session for each of `apis` (`out["apis"]`)."""
     from tidal.gateway.server import GatewayServer, freeze_startup_heap
     from tidal.ledger.store import LedgerStore
 
@@ -218,8 +303,147 @@ def measure(
                     out["sessions_1"] = stats(load("one", 1, args.calls, args.max_tokens).result())
                 many = load("c", 32, args.calls_concurrent, args.max_tokens, stagger_s=stagger_s)
                 out["sessions_32"] = stats(many.result())
+                if apis:
+                    out["apis"] = {
+                        api: api_stats(load, api, args.calls, args.max_tokens) for api in apis
+                    }
             out["recorded_calls"] = store.count_calls()
         store.close()
+    return out
+
+
+def api_stats(load: Any, api: str, n_calls: int, max_tokens: int) -> dict[str, Any]:
+    """One session of `api` (after a 3-call warm-up): its stats, or why it could not run."""
+    try:
+        load(f"warmup-{api}-", 1, 3, max_tokens, api=api).result()
+        return stats(load(f"api-{api}-", 1, n_calls, max_tokens, api=api).result())
+    except UnavailableError as e:
+        return {"unavailable": str(e)}
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
+# ------------------------------------------------------------------ tidal serve --workers N
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Serve:
+    """`tidal serve --workers N --engine bench.gateway:<factory>` as a subprocess."""
+
+    def __init__(self, store: Path, workers: int, factory: str, engine_ms: float) -> None:
+        self.port = _free_port()  # `--port 0` would do for N > 1 only (the router says it)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+            ),
+            "TIDAL_BENCH_ENGINE_MS": f"{engine_ms:g}",
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tidal.cli", "serve", "--model", "tiny", "--store",
+             str(store), "--port", str(self.port), "--engine", f"bench.gateway:{factory}",
+             "--workers", str(workers)],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+        )
+        self.base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"tidal serve --workers {workers} did not start")
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+            try:
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            finally:
+                conn.close()
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def router_overhead(
+    srv: Serve, n: int, clients: ProcessPoolExecutor, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The router's own cost: one session at a time, alternately straight to worker 0's
+    port (from the router's `/health`) and through the router to the same worker
+    (a session id that hashes to it), `--router-rounds` rounds of `--calls` calls each;
+    `added_ms_*` is the difference of the two's end-to-end percentiles."""
+    from tidal.gateway.workers import worker_for
+
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("GET", "/health")
+    port0 = json.loads(conn.getresponse().read())["worker_status"][0]["port"]
+    conn.close()
+    direct: list[Sample] = []
+    routed: list[Sample] = []
+    for r in range(args.router_rounds):
+        prefix = next(f"r{r}x{j}-" for j in range(1000) if worker_for(f"r{r}x{j}-0", n) == 0)
+        for base, pre, into in (
+            (f"http://127.0.0.1:{port0}", f"d{r}-", direct),
+            (srv.base, prefix, routed),
+        ):
+            samples, _ = clients.submit(
+                client_load, base, pre, 1, args.calls, args.max_tokens,
+                filler_words=args.filler_words,
+            ).result()
+            into.extend(samples)
+
+    def pct(samples: list[Sample], q: float) -> float:
+        return float(np.percentile([e for e, _, _ in samples], q)) * 1e3
+
+    return {
+        "calls_each": len(direct),
+        "direct_e2e_ms_p50": round(pct(direct, 50), 3),
+        "routed_e2e_ms_p50": round(pct(routed, 50), 3),
+        "added_ms_p50": round(pct(routed, 50) - pct(direct, 50), 3),
+        "added_ms_p99": round(pct(routed, 99) - pct(direct, 99), 3),
+    }
+
+
+def measure_workers(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`tidal serve --workers n`: instant engine at 1 and 32 sessions, paced at 32."""
+    out: dict[str, Any] = {}
+    ms = args.engine_ms[0]
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(1, mp_context=ctx) as clients:
+        for factory, key in (("instant_factory", "instant_engine"), ("paced_factory", "paced")):
+            srv = Serve(Path(tmp) / f"{factory}.db", n, factory, ms)
+            try:
+                load = partial(clients.submit, client_load, srv.base,
+                               filler_words=args.filler_words)
+                load("warmup", 4, 3, args.max_tokens).result()
+                if key == "instant_engine":
+                    out[key] = {
+                        "sessions_1": stats(load("one", 1, args.calls, args.max_tokens).result()),
+                        "sessions_32": stats(
+                            load("c", 32, args.calls_concurrent, args.max_tokens).result()
+                        ),
+                    }
+                    if n > 1:
+                        out["router"] = router_overhead(srv, n, clients, args)
+                else:
+                    many = load("p", 32, args.calls_concurrent, args.max_tokens,
+                                stagger_s=ms / 1e3)
+                    out[f"paced_{ms:g}_ms"] = {"sessions_32": stats(many.result())}
+            finally:
+                srv.close()
     return out
 
 
@@ -294,6 +518,26 @@ def main() -> None:
         default=[200.0],
         help="paced engine: mean engine time per call (ms), one measurement (32 sessions) each",
     )
+    ap.add_argument(
+        "--apis",
+        nargs="*",
+        choices=APIS,
+        default=list(APIS),
+        help="APIs measured at 1 session, instant engine, in process (none: skip)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="worker counts to measure through `tidal serve --workers N` (e.g. 1 2)",
+    )
+    ap.add_argument(
+        "--router-rounds",
+        type=int,
+        default=5,
+        help="with --workers N > 1: rounds of direct vs routed single sessions",
+    )
     args = ap.parse_args()
 
     from tidal.engine.embedded import EmbeddedEngine
@@ -316,7 +560,14 @@ def main() -> None:
         engine.close()
     stop = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     if args.engines in ("all", "instant"):
-        result["instant_engine"] = measure(InstantEngine(stop), tokenizer, args)
+        result["instant_engine"] = measure(
+            InstantEngine(stop), tokenizer, args, apis=tuple(args.apis)
+        )
+        if args.apis:
+            result["apis"] = result["instant_engine"].pop("apis")
+            result["target_met_p50_apis"] = {
+                k: v["added_ms_p50"] < 2.0 for k, v in result["apis"].items() if "calls" in v
+            }
     if args.engines in ("all", "paced"):
         result["paced_engine"] = {
             f"{ms:g}_ms": measure(
@@ -327,6 +578,17 @@ def main() -> None:
         result["target_met_p50_32_sessions_paced"] = {
             k: v["sessions_32"]["added_ms_p50"] < 2.0 for k, v in result["paced_engine"].items()
         }
+    if args.workers:
+        result["workers"] = {str(n): measure_workers(n, args) for n in args.workers}
+        w = result["workers"]
+        if "2" in w:
+            result["router_added_ms_p50"] = w["2"]["router"]["added_ms_p50"]
+            result["router_added_ms_p99"] = w["2"]["router"]["added_ms_p99"]
+        result["target_met_p99_paced_2_workers"] = (
+            w["2"][f"paced_{args.engine_ms[0]:g}_ms"]["sessions_32"]["added_ms_p99"] < 10.0
+            if "2" in w
+            else None
+        )
     result["target_met_p50"] = {
         k: result[k]["sessions_1"]["added_ms_p50"] < 2.0
         for k in ("embedded_tiny_cpu", "instant_engine")

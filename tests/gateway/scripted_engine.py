@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ class ScriptedEngine:
         model_name: str = "scripted",
         max_context: int = 32768,
         default_reply: str = "ok",
+        policy: Callable[[str], str] | None = None,
     ) -> None:
         self._tok = tokenizer
         self._name = model_name
@@ -36,6 +37,7 @@ class ScriptedEngine:
         self._lock = threading.Lock()
         self.replies: deque[str] = deque()
         self.default_reply = default_reply
+        self.policy = policy  # prompt text -> reply, when no scripted reply is queued
         self.prompts: list[npt.NDArray[np.int32]] = []
         self.stop_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
 
@@ -64,8 +66,14 @@ class ScriptedEngine:
             if arr.size == 0 or arr.size >= self._max_context:
                 raise EngineError(f"prompt of {arr.size} tokens does not fit {self._max_context}")
             with self._lock:
-                text = self.replies.popleft() if self.replies else self.default_reply
+                text = self.replies.popleft() if self.replies else None
                 self.prompts.append(arr)
+            if text is None:
+                text = (
+                    self.policy(self._tok.decode(arr.tolist()))
+                    if self.policy
+                    else self.default_reply
+                )
             ids = [*self._tok.encode(text, add_special_tokens=False), self.stop_id]
             finish = "stop"
             if len(ids) > params.max_tokens:

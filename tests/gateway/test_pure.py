@@ -21,9 +21,11 @@ from tidal.gateway.family import CHATML, GatewayError, detect_family
 from tidal.gateway.messages import Message, RequestError, parse_messages, parse_tools
 from tidal.gateway.render import Renderer, map_blocks, split_blocks
 from tidal.gateway.tito import RecordedTurn, SessionTurns, assemble_prompt
-from tidal.gateway.toolcalls import parse_output
+from tidal.gateway.toolcalls import ToolSet, parse_output, resolve_parsers
 
-NAMES = frozenset({"f", "g"})
+NAMES = ToolSet({"f": {}, "g": {}})
+TAGS = resolve_parsers("hermes")
+BOTH = resolve_parsers("hermes,fenced")
 
 
 # ------------------------------------------------------------------------- tool calls
@@ -31,34 +33,34 @@ NAMES = frozenset({"f", "g"})
 
 def test_parse_tags_keeps_raw_argument_text() -> None:
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"b":1,  "a": [1.0, "é"]}}\n</tool_call>'
-    out = parse_output(text, ("tags", "fenced"), NAMES)
+    out = parse_output(text, BOTH, NAMES)
     assert out.content == "Sure."
     assert [(c.name, c.arguments, c.format) for c in out.tool_calls] == [
-        ("f", '{"b":1,  "a": [1.0, "é"]}', "tags")
+        ("f", '{"b":1,  "a": [1.0, "é"]}', "hermes")
     ]
     assert out.raw_tool_calls == text[text.index("<tool_call>") :]
 
 
 def test_parse_fenced_block_and_list() -> None:
     text = '```json\n[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]\n```'
-    out = parse_output(text, ("tags", "fenced"), NAMES)
+    out = parse_output(text, BOTH, NAMES)
     assert [c.name for c in out.tool_calls] == ["f", "g"]
     assert out.content is None and out.raw_tool_calls == text
     # A fenced block naming no offered tool is prose (a JSON example), not a call.
     other = '```json\n{"name": "h", "arguments": {}}\n```'
-    assert parse_output(other, ("tags", "fenced"), NAMES).tool_calls == ()
+    assert parse_output(other, BOTH, NAMES).tool_calls == ()
     # The fenced format can be switched off per family.
-    assert parse_output(text, ("tags",), NAMES).tool_calls == ()
+    assert parse_output(text, TAGS, NAMES).tool_calls == ()
 
 
 def test_parse_ignores_broken_and_disabled() -> None:
     broken = '<tool_call>\n{"name": "f", "arguments": {"x": }\n</tool_call>'
-    assert parse_output(broken, ("tags",), NAMES).tool_calls == ()
+    assert parse_output(broken, TAGS, NAMES).tool_calls == ()
     truncated = '<tool_call>\n{"name": "f", "arguments": {"x": 1'
-    assert parse_output(truncated, ("tags",), NAMES).content == truncated
+    assert parse_output(truncated, TAGS, NAMES).content == truncated
     ok = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
-    assert parse_output(ok, ("tags",), None).tool_calls == ()  # no tools offered
-    assert parse_output(ok, ("tags",), NAMES).tool_calls[0].arguments == '{"x": 1}'
+    assert parse_output(ok, TAGS, None).tool_calls == ()  # no tools offered
+    assert parse_output(ok, TAGS, NAMES).tool_calls[0].arguments == '{"x": 1}'
 
 
 # ------------------------------------------------------------------------------ drift

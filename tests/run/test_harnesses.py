@@ -54,7 +54,7 @@ except OSError as e:
     other = type(e).__name__
 keys = ["OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "TIDAL_MODEL",
         "TIDAL_SESSION_ID", "TIDAL_TASK_ID", "TIDAL_INSTRUCTION", "TIDAL_INSTRUCTION_FILE",
-        "TIDAL_GATEWAY_URL", "EXTRA"]
+        "TIDAL_GATEWAY_URL", "ANTHROPIC_BASE_URL", "EXTRA"]
 json.dump({k: os.environ.get(k) for k in keys} | {"cwd": os.getcwd(), "other": other,
           "instruction_file": open(os.environ["TIDAL_INSTRUCTION_FILE"]).read()},
           open("/tmp/env.json", "w"))
@@ -137,6 +137,7 @@ def test_a_command_harness_is_told_everything_by_its_environment(
     assert (ep.status, ep.reward, ep.n_calls) == ("complete", 1.0, 1)
     url = f"{srv.base_url}/sessions/cmd-ok/task/answer-42/v1"
     assert seen["OPENAI_BASE_URL"] == seen["OPENAI_API_BASE"] == url
+    assert seen["ANTHROPIC_BASE_URL"] == url.removesuffix("/v1")  # the SDK adds /v1/messages
     assert (seen["TIDAL_SESSION_ID"], seen["TIDAL_TASK_ID"]) == ("cmd-ok", "answer-42")
     assert seen["TIDAL_INSTRUCTION"] == seen["instruction_file"] == TASK.prompt
     assert (seen["TIDAL_MODEL"], seen["EXTRA"], seen["cwd"]) == ("scripted", "1", "/work")
@@ -239,3 +240,30 @@ def test_a_harness_that_compacts_silently_gets_a_compaction_edge(
     (report,) = result.episodes
     assert report.edges.get("compaction") == 1 and report.inferred_edges == {"compaction": 1}
     assert any("compaction" in t.tree_id for t in result.trees)  # the summary is its own sample
+
+
+def test_unparsed_tool_calls_are_counted_per_episode(
+    live: tuple[GatewayServer, LedgerStore, Path]
+) -> None:
+    """A call whose text looks like a tool call that no parser accepts is counted in the
+    episode (the step's `tool_parse_failures`); one that parses is not."""
+    srv, store, _ = live
+    from openai import OpenAI
+
+    engine = srv.gateway.engine
+    assert isinstance(engine, ScriptedEngine)
+    tools = [{"type": "function", "function": {"name": "write_file", "parameters": {}}}]
+    engine.push('<tool_call>\n{"name": "write_file", "arguments": {"path": }\n</tool_call>',
+                '<tool_call>\n{"name": "write_file", "arguments": {}}\n</tool_call>')
+
+    def harness(ctx: EpisodeContext) -> HarnessResult | None:
+        client = OpenAI(base_url=ctx.session_url, api_key="x", max_retries=0)
+        for _ in range(2):
+            client.chat.completions.create(model=ctx.model, tools=tools,  # type: ignore[arg-type]
+                                           messages=[{"role": "user", "content": "go"}])
+        ctx.runtime.exec("printf 42 > answer.txt", 10)
+        return None
+
+    ep = Rollouts(srv.base_url, "scripted", FunctionHarness(harness), sandboxed_runtime,
+                  store).one(TASK, "fn-parse")
+    assert (ep.n_calls, ep.tool_parse_failures) == (2, 1)

@@ -81,7 +81,14 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
         infos = store.sessions()
         rl_main = [s.session_id for s in infos if s.session_id.startswith("rl-")]
         assert len(rl_main) >= 6
-        rl_sessions = [s.session_id for s in infos if not s.session_id.startswith("eval")]
+        parent = {s.session_id: s.parent_session_id for s in infos}
+
+        def root(sid: str) -> str:  # subagents (sub-...) belong to their main session
+            while parent.get(sid):
+                sid = parent[sid] or sid
+            return sid
+
+        rl_sessions = [s.session_id for s in infos if root(s.session_id).startswith("rl-")]
         versions = {sc.call.policy_version for sid in rl_sessions
                     for sc in store.call_log(sid).calls}
         assert versions == {1, 2}  # each step sampled with the weights of the step before

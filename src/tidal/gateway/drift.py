@@ -101,9 +101,14 @@ class RecordedToolCall:
 
 @dataclass(frozen=True)
 class ClientToolCall:
+    """A tool call as a client sent it back. `object_api`: the client's API carries
+    arguments as an object (Anthropic's tool_use `input`), given here as its JSON text;
+    only its values and key order can differ from the model's text, never its spacing."""
+
     id: str | None
     name: str
     arguments: str | Mapping[str, Any] | Sequence[Any]
+    object_api: bool = False
 
 
 # ---------------------------------------------------------------------- JSON value compare
@@ -218,6 +223,21 @@ def classify_json_text(recorded: str, client: str) -> list[str]:
     return sorted(kinds or {"whitespace"})
 
 
+def classify_object(recorded: str, client: object) -> list[str]:
+    """Compare the model's arguments text with a value an object API sent back (its spacing
+    and escapes are the API's, not a change): [] equal, key_order, or edited."""
+    try:
+        rv = json.loads(recorded)
+    except json.JSONDecodeError:
+        return ["edited"]
+    if not strict_equal(rv, client):
+        return ["edited"]
+    kinds: set[str] = set()
+    ta, tb = _lex(recorded)[0], _lex(json.dumps(client, ensure_ascii=False))[0]
+    _walk(_tree(ta, 0)[0], _tree(tb, 0)[0], kinds)
+    return sorted(kinds & {"key_order"})
+
+
 def classify_arguments(recorded: str, client: object) -> list[str]:
     """Compare a tool call's arguments as returned (a JSON string) with the client's."""
     if isinstance(client, str):
@@ -243,6 +263,12 @@ def _ws(text: str) -> str:
     return _WS_RE.sub(" ", text).strip()
 
 
+def _no_ws(text: str) -> str:
+    """Text without any whitespace: content split into blocks or merged again (Anthropic's
+    text blocks) loses or gains the spaces between the pieces."""
+    return _WS_RE.sub("", text)
+
+
 def strip_thinking(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> str:
     pattern = re.escape(open_tag) + r".*?" + re.escape(close_tag)
     return re.sub(pattern, "", text, flags=re.DOTALL)
@@ -253,9 +279,9 @@ def compare_content(recorded: str | None, client: str | None, has_tool_calls: bo
     r, c = recorded or "", client or ""
     if r == c:
         return None
-    if _ws(r) == _ws(c):
+    if _ws(r) == _ws(c) or _no_ws(r) == _no_ws(c):
         return "whitespace"
-    if ("<think>" in r) and _ws(strip_thinking(r)) == _ws(c):
+    if ("<think>" in r) and _no_ws(strip_thinking(r)) == _no_ws(c):
         return "thinking_stripped"
     if not c and has_tool_calls:
         return "content_dropped"
@@ -332,7 +358,11 @@ def compare_turn(
         if cc.name != rc.name:
             add("edited", cc.name, rc.name, "tool name changed")
             continue
-        for kind in classify_arguments(rc.arguments, cc.arguments):
+        if cc.object_api and isinstance(cc.arguments, str):
+            found = classify_object(rc.arguments, json.loads(cc.arguments))
+        else:
+            found = classify_arguments(rc.arguments, cc.arguments)
+        for kind in found:
             add(kind, cli_args, rc.arguments, f"arguments of tool call {rc.id}")
     return out
 

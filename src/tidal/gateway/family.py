@@ -2,8 +2,9 @@
 
 Everything the gateway needs to know about a chat format lives in a `ChatFamily`: how a
 rendered conversation splits into per-message blocks, the header that opens an assistant
-turn (the generation prompt), what closes a turn, which tokens stop sampling, and which
-tool-call text formats the family's models actually write.
+turn (the generation prompt), what closes a turn and which tokens stop sampling. Which
+tool-call formats a model writes is the parsers' business (`tidal.gateway.toolcalls`),
+chosen apart from the block structure.
 
 Built in: ChatML (Qwen2, Qwen2.5, Qwen3, and the many models that use
 `<|im_start|>role\\n ... <|im_end|>\\n`). Adding a family means adding one entry to
@@ -42,7 +43,6 @@ class ChatFamily:
     tool_block_role: str
     tool_results_grouped: bool
     stop_tokens: tuple[str, ...]
-    tool_call_formats: tuple[str, ...]  # parsers tried, see tidal.gateway.toolcalls
     think_open: str = "<think>"
     think_close: str = "</think>"
 
@@ -64,8 +64,6 @@ CHATML = ChatFamily(
     tool_block_role="user",
     tool_results_grouped=True,
     stop_tokens=("<|im_end|>", "<|endoftext|>"),
-    # Qwen's template asks for <tool_call> tags; real Qwen2.5-Coder writes fenced JSON.
-    tool_call_formats=("tags", "fenced"),
 )
 
 FAMILIES: dict[str, ChatFamily] = {CHATML.name: CHATML}

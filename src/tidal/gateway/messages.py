@@ -24,6 +24,9 @@ import orjson
 from tidal.gateway.drift import ClientToolCall
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# On a tool call built from an object API's call (Anthropic's tool_use): `arguments` is
+# the JSON text of the object the client sent (see `ClientToolCall.object_api`).
+OBJECT_ARGUMENTS = "x_tidal_object_arguments"
 _TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -126,7 +129,12 @@ def parse_message(m: object, i: int) -> Message:
             )
         tcid = tc.get("id")
         calls.append(
-            ClientToolCall(tcid if isinstance(tcid, str) and tcid else None, fn["name"], args)
+            ClientToolCall(
+                tcid if isinstance(tcid, str) and tcid else None,
+                fn["name"],
+                args,
+                object_api=tc.get(OBJECT_ARGUMENTS) is True and isinstance(args, str),
+            )
         )
     if role in ("user", "system", "developer") and content is None:
         raise RequestError(f"{where}.content is required for role {role}", param=f"{where}.content")

@@ -1,7 +1,9 @@
-"""HTTP layer: the OpenAI-compatible routes, SSE streaming, errors, and a thread runner.
+"""HTTP layer: the routes of the three APIs, SSE streaming, errors, and a thread runner.
 
 Routes (all on 127.0.0.1):
-- `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`;
+- `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `POST
+  /v1/responses` (`tidal.gateway.responses`), `POST /v1/messages` (Anthropic's,
+  `tidal.gateway.anthropic`: its SDK with `base_url=".../sessions/{id}"` posts there);
 - the same under `/sessions/{session_id}[/parent/{call_id}][/task/{task_id}][/role/{role}]/v1/`
   so the stock `openai` client picks a session by its `base_url` alone
   (`OpenAI(base_url=f"{gw}/sessions/{sid}/v1")`), and a subagent by
@@ -12,13 +14,15 @@ Routes (all on 127.0.0.1):
 
 Responses carry `X-Tidal-Session-Id`, `X-Tidal-Call-Id` and `X-Tidal-Engine-Ms` (the engine
 time of the call, which `bench/gateway.py` subtracts to get the gateway's added latency).
-Errors are OpenAI-style: `{"error": {"message", "type", "param", "code"}}` with the status.
+Errors are OpenAI-style: `{"error": {"message", "type", "param", "code"}}` with the status;
+on `/v1/messages` Anthropic's `{"type": "error", "error": {"type", "message"}}`.
 
 Streaming (`stream: true`) is produced after the call is generated and committed (the
 engine protocol returns whole generations): without tool calls, one chunk per output
 token, with its logprob when asked; with tool calls, the content in one chunk and one
 chunk per tool call; then the finish chunk, the usage chunk (with
-`stream_options.include_usage`) and `[DONE]`.
+`stream_options.include_usage`) and `[DONE]`. Responses and Messages stream in their own
+event sequences (their modules' `stream`).
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ import gc
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import unquote
 
+from tidal.gateway import anthropic, responses
 from tidal.gateway.core import Answer, Gateway, Route
 from tidal.gateway.messages import RequestError
+from tidal.gateway.sse import sse, text_pieces
 
 HEADER_SESSION = "x-tidal-session"
 HEADER_PARENT_CALL = "x-tidal-parent-call"
@@ -96,23 +102,6 @@ def route_from(headers: Mapping[str, str], url_fields: Mapping[str, str]) -> Rou
     )
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-def _pieces(content: str, token_texts: tuple[str, ...]) -> list[str]:
-    """Content split per token when the token texts add up to it, else in ~16 pieces."""
-    n = 0
-    for k, t in enumerate(token_texts):
-        n += len(t)
-        if n == len(content) and "".join(token_texts[: k + 1]) == content:
-            return list(token_texts[: k + 1])
-    if not content:
-        return []
-    step = max(1, len(content) // 16)
-    return [content[i : i + step] for i in range(0, len(content), step)]
-
-
 def chat_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
     """SSE chunks of a finished chat answer (OpenAI's chunk format)."""
     b = ans.body
@@ -127,7 +116,7 @@ def chat_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
     }
 
     def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> bytes:
-        return _sse(
+        return sse(
             {
                 **base,
                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
@@ -139,7 +128,7 @@ def chat_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
     rest = lps
     content = msg.get("content") or ""
     if not msg.get("tool_calls"):
-        pieces = _pieces(content, ans.token_texts)
+        pieces = text_pieces(content, ans.token_texts)
         aligned = (
             lps is not None
             and len(pieces) <= len(lps)
@@ -164,7 +153,7 @@ def chat_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
         yield chunk({}, lp={"content": rest})
     yield chunk({}, finish=choice["finish_reason"])
     if include_usage:
-        yield _sse({**base, "choices": [], "usage": b["usage"]})
+        yield sse({**base, "choices": [], "usage": b["usage"]})
     yield b"data: [DONE]\n\n"
 
 
@@ -185,10 +174,10 @@ def completion_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
             "top_logprobs": None if lps["top_logprobs"] is None else [lps["top_logprobs"][k]],
             "text_offset": [lps["text_offset"][k]],
         }
-        yield _sse(
+        yield sse(
             {**base, "choices": [{"index": 0, "text": t, "logprobs": lp, "finish_reason": None}]}
         )
-    yield _sse(
+    yield sse(
         {
             **base,
             "choices": [
@@ -197,10 +186,20 @@ def completion_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:
         }
     )
     if include_usage:
-        yield _sse({**base, "choices": [], "usage": b["usage"]})
+        yield sse({**base, "choices": [], "usage": b["usage"]})
     yield b"data: [DONE]\n\n"
 
 
+Handler = Callable[[Mapping[str, Any], Route], Answer]
+
+
+def include_usage(body: Mapping[str, Any]) -> bool:
+    """Chat and completions streams end with a usage chunk when the client asks."""
+    opts = body.get("stream_options")
+    return bool(isinstance(opts, dict) and opts.get("include_usage"))
+
+
+Streamer = Callable[[Answer, Mapping[str, Any]], Iterator[bytes]]
 _JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
 Headers = Sequence[tuple[bytes, bytes]]
@@ -232,7 +231,20 @@ class GatewayApp:
 
     def __init__(self, gateway: Gateway, *, max_concurrency: int = 256) -> None:
         self.gateway = gateway
+        self.responses = responses.ResponsesAPI(gateway)
+        self.messages = anthropic.MessagesAPI(gateway)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tidal-gateway-call")
+        # endpoint -> (serve a body, stream a finished answer)
+        self._endpoints: dict[str, tuple[Handler, Streamer]] = {
+            "chat/completions": (
+                gateway.chat, lambda ans, body: chat_stream(ans, include_usage(body))
+            ),
+            "completions": (
+                gateway.completion, lambda ans, body: completion_stream(ans, include_usage(body))
+            ),
+            "responses": (self.responses.create, lambda ans, body: responses.stream(ans)),
+            "messages": (self.messages.create, lambda ans, body: anthropic.stream(ans)),
+        }
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -260,25 +272,30 @@ class GatewayApp:
                 "policy_version": self.gateway.policy_version,
             }))
             return
+        endpoint = path[len("/v1/") :] if path.startswith("/v1/") else ""
         try:
             fields: dict[str, str] = {}
-            if path.startswith("/v1/"):
-                endpoint = path[len("/v1/") :]
-            else:
+            if not endpoint:
                 fields, endpoint = parse_session_path(path[len("/sessions/") :])
             await self._serve(scope, receive, send, endpoint, fields)
         except RequestError as e:
-            await self._error(send, e)
+            await self._error(send, e, endpoint)
         except Exception as e:  # an engine or ledger fault: nothing was answered
             await self._error(send, RequestError(
                 f"internal error: {type(e).__name__}: {e}",
                 code="internal_error",
                 status=500,
                 type_="server_error",
-            ))
+            ), endpoint)
 
-    async def _error(self, send: Any, e: RequestError) -> None:
-        await _send(send, e.status, _json_bytes(error_body(e.message, e.type, e.param, e.code)))
+    async def _error(self, send: Any, e: RequestError, endpoint: str = "") -> None:
+        """The error in the shape of the endpoint's API (Anthropic's for /v1/messages)."""
+        body = (
+            anthropic.error_body(e)
+            if endpoint.startswith("messages")
+            else error_body(e.message, e.type, e.param, e.code)
+        )
+        await _send(send, e.status, _json_bytes(body))
 
     async def _serve(
         self,
@@ -298,7 +315,7 @@ class GatewayApp:
                 code="method_not_allowed",
                 status=405,
             )
-        if endpoint not in ("chat/completions", "completions"):
+        if endpoint not in self._endpoints:
             raise RequestError(f"unknown endpoint /v1/{endpoint}", code="not_found", status=404)
         raw = await _read_body(receive)
         if raw is None:
@@ -315,7 +332,7 @@ class GatewayApp:
         for k, v in scope["headers"]:  # the first of repeated headers counts
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         route = route_from(headers, url_fields)
-        fn = gateway.chat if endpoint == "chat/completions" else gateway.completion
+        fn, streamer = self._endpoints[endpoint]
         loop = asyncio.get_running_loop()
         ans: Answer = await loop.run_in_executor(self._pool, fn, body, route)
         extra: Headers = [
@@ -327,15 +344,12 @@ class GatewayApp:
         if not body.get("stream"):
             await _send(send, 200, _json_bytes(ans.body), extra)
             return
-        opts = body.get("stream_options") or {}
-        usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-        gen = chat_stream if endpoint == "chat/completions" else completion_stream
         await send({
             "type": "http.response.start",
             "status": 200,
             "headers": [(b"content-type", _SSE), *extra],
         })
-        for chunk in gen(ans, usage):  # cheap: the answer is complete
+        for chunk in streamer(ans, body):  # cheap: the answer is complete
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 

@@ -38,10 +38,10 @@ dropped when the turns matched in the prefix differ. Requests whose tool-call ar
 are objects rather than JSON strings are not kept (their JSON text does not pin every
 detail the template renders).
 
-Deliberately simplified: the recorded turns live in the gateway process's memory (a
-restart forgets them; earlier assistant messages are then rendered from text and counted
-as foreign turns in the call's metadata); a length-truncated output gets the closing
-ids appended as prompt tokens.
+The recorded turns live in the gateway process's memory; a session it does not hold is
+rebuilt from the ledger on first use (`SessionTurns.load_once`, `Gateway._load_turns`), so
+a restart forgets nothing. Deliberately simplified: a length-truncated output (or one cut
+at a stop string) gets the closing ids appended as prompt tokens.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import hashlib
 import json
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,8 +99,9 @@ def _canon_args(args: object) -> str:
 
 
 def turn_key(content: str | None, calls: Sequence[tuple[str, object]]) -> str:
-    """A key that survives cosmetic drift: whitespace, thinking, key order, literals."""
-    text = " ".join(strip_thinking(content or "").split())
+    """A key that survives cosmetic drift: whitespace (also text split into blocks or
+    merged), thinking, key order, literals."""
+    text = "".join(strip_thinking(content or "").split())
     return json.dumps([text, sorted((n, _canon_args(a)) for n, a in calls)])
 
 
@@ -116,6 +117,23 @@ class SessionTurns:
         self._added: list[tuple[RecordedTurn, str]] = []  # (turn, key) in order of adding
         self._seen: deque[Seen] = deque(maxlen=_KEPT_REQUESTS)
         self._stored_drift: set[tuple[Any, ...]] = set()  # drift_key of stored records
+        self._load_lock = threading.Lock()
+        self._loaded = False
+
+    def load_once(self, load: Callable[[SessionTurns], None]) -> None:
+        """Run `load(self)` once, before any use of the turns (a restarted gateway
+        rebuilds a session from the ledger); concurrent callers wait for it."""
+        if self._loaded:
+            return
+        with self._load_lock:
+            if not self._loaded:
+                load(self)
+                self._loaded = True
+
+    def note_stored(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Drift records already in the ledger (as `DriftRecord.to_dict` wrote them)."""
+        with self._lock:
+            self._stored_drift.update(drift_key(d) for d in records)
 
     def unstored_drift(self, records: Sequence[DriftRecord]) -> list[DriftRecord]:
         """The records not yet stored for this session (a drifted turn is sent back with

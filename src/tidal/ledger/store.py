@@ -87,6 +87,8 @@ CREATE TABLE IF NOT EXISTS outcomes (
     content_hash TEXT NOT NULL,
     chain_hash TEXT NOT NULL
 );
+-- a call's session by its id alone (subagent parents, a restarted gateway's lookups)
+CREATE INDEX IF NOT EXISTS calls_by_call_id ON calls (call_id);
 CREATE TRIGGER IF NOT EXISTS calls_no_update BEFORE UPDATE ON calls
     BEGIN SELECT RAISE(ABORT, 'ledger is append-only: calls cannot be updated'); END;
 CREATE TRIGGER IF NOT EXISTS calls_no_delete BEFORE DELETE ON calls
@@ -611,6 +613,15 @@ class LedgerStore:
             return self._db.execute(
                 "SELECT 1 FROM sessions WHERE session_id=?", (session_id,)
             ).fetchone() is not None
+
+    def session_of_call(self, call_id: str) -> str | None:
+        """The session that holds call `call_id` (the first, should two sessions reuse an
+        id), or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT session_id FROM calls WHERE call_id=? ORDER BY seq LIMIT 1", (call_id,)
+            ).fetchone()
+        return None if row is None else str(row[0])
 
     def child_sessions(self, session_id: str) -> list[str]:
         """Sessions whose calls name `session_id` as their parent session (subagents),

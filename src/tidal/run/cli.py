@@ -61,8 +61,11 @@ def report_cmd(
     html: Annotated[Path, typer.Option("--html", help="Where to write the page.")],
 ) -> None:
     """Write a self-contained HTML report of a run: curves, time split, sample trees."""
-    from tidal.run.report import write_report
-
+    try:
+        from tidal.run.report import write_report
+    except ImportError as e:  # matplotlib, the report extra, is missing
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
     try:
         write_report(run_dir, html)
     except FileNotFoundError as e:

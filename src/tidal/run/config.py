@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -121,6 +121,20 @@ class EnvironmentConfig(_Section):
 class EngineConfig(_Section):
     kind: str = Field("embedded", description="embedded (transformers, in this process) or "
                       "module:attr (a factory returning an Engine)")
+    tool_parser: str = Field(
+        "", description="tool-call parsers, comma-separated (hermes, fenced, json, mistral, "
+        "pythonic, qwen3_xml, or module:attr); empty: the chat template's",
+    )
+    tool_parser_strict: bool = Field(False, description="turn the parsers' lenient rules off")
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parsers(cls, v: str) -> str:
+        if v:
+            from tidal.gateway.toolcalls import resolve_parsers
+
+            resolve_parsers(v)  # ValueError names the unknown one
+        return v
 
 
 class RolloutConfig(_Section):
@@ -205,6 +219,23 @@ class EvalConfig(_Section):
     temperature: float = Field(1.0, ge=0, description="sampling temperature for evaluation")
 
 
+class LogConfig(_Section):
+    backends: tuple[str, ...] = Field(
+        ("tensorboard",), description="where metrics go besides metrics.jsonl: tensorboard, "
+        "wandb, mlflow, or module:attr (a Logger factory; docs/config.md)",
+    )
+    project: str = Field("tidal", description="the W&B project and the MLflow experiment")
+    mlflow_uri: str = Field("", description="MLflow tracking URI (empty: MLFLOW_TRACKING_URI, "
+                            "else a file store in RUN_DIR/mlruns)")
+
+    @model_validator(mode="after")
+    def _backends(self) -> LogConfig:
+        from tidal.run.loggers import check_backends
+
+        check_backends(self.backends)
+        return self
+
+
 class RunConfig(_Section):
     seed: int = Field(0, description="seed for task sampling and generation")
     model: ModelConfig = ModelConfig()
@@ -217,6 +248,7 @@ class RunConfig(_Section):
     warmstart: WarmstartConfig = WarmstartConfig()
     rl: RLConfig = RLConfig()
     eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
     def _possible(self) -> RunConfig:

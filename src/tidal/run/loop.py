@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
 from tidal.agent.tasks import Demonstration, Task, TaskError, demonstrations, taught
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
@@ -44,6 +45,7 @@ from tidal.ledger import LedgerStore, Outcome, Status
 from tidal.run import components
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
+from tidal.run.loggers import LoggerError, LogStart
 from tidal.run.progress import RunLog
 from tidal.run.rollout import Episode, Rollouts, new_session_id
 from tidal.sandbox import SandboxConfig
@@ -117,6 +119,7 @@ class Parts:
         self.log.metrics({"phase": "eval", "step": state.step, "success_rate": rate,
                           "partial_mean": sum(e.partial_score for e in eps) / max(len(eps), 1),
                           "checks": _check_rates(eps), "grader_errors": _grader_errors(eps),
+                          "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
                           "seconds": time.perf_counter() - t0,
                           "policy_version": self.engine.policy_version})
         return rate
@@ -136,7 +139,6 @@ def _agent_config(cfg: RunConfig) -> AgentConfig:
 def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> Parts:
     """Every component of the run, resolved by name (`tidal.run.components`)."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     t_start = time.time()
@@ -153,6 +155,32 @@ def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> 
                 components.load_attr(value, key)
     except (TaskError, components.ComponentError) as e:
         raise RunError(str(e)) from e
+    log = _open_log(cfg, run_dir, resume=ckpt is not None or state.step > 0)
+    try:
+        return _build(cfg, run_dir, state, ckpt, t_start=t_start, tasks=tasks, harness=harness,
+                      eval_harness=eval_harness, new_runtime=new_runtime, log=log)
+    except BaseException:
+        log.close(failed=True)
+        raise
+
+
+def _open_log(cfg: RunConfig, run_dir: Path, *, resume: bool) -> RunLog:
+    """metrics.jsonl and the `[log] backends`, started before anything else runs."""
+    start = LogStart.load(run_dir, name=run_dir.name, project=cfg.log.project,
+                          config=cfg.model_dump(mode="json"), resume=resume,
+                          mlflow_uri=cfg.log.mlflow_uri)
+    try:
+        return RunLog(run_dir, total_steps=cfg.rl.steps, backends=cfg.log.backends, start=start)
+    except LoggerError as e:
+        raise RunError(str(e)) from e
+
+
+def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
+           t_start: float, tasks: components.Tasks, harness: Harness, eval_harness: Harness,
+           new_runtime: components.RuntimeFactory, log: RunLog) -> Parts:
+    """The heavy parts, once every name resolved and the loggers started."""
+    from transformers import AutoModelForCausalLM
+
     environments = components.make_environments(cfg)
     if cfg.rollout.sandbox == "local" and any(
             t.environment for t in (*tasks.train, *tasks.heldout)):
@@ -174,7 +202,8 @@ def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> 
     engine = components.make_engine(cfg, weights_dir, device=device,
                                      policy_version=state.policy_version, model_name=model_name)
     store = LedgerStore(run_dir / "ledger.db")
-    gateway = GatewayServer(engine, tokenizer, store)
+    gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
+                            lenient_tool_parsing=not cfg.engine.tool_parser_strict)
     url = gateway.start()
     outside = cfg.agent.harness == "builtin"  # harnesses inside the sandbox reach the gateway
     sandbox = SandboxConfig(allow_ports=() if outside else (gateway.port,),
@@ -198,7 +227,7 @@ def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> 
     )
     return Parts(cfg, run_dir, policy, optimizer, tokenizer, engine, store, gateway,
                  list(tasks.train), list(tasks.heldout), rollouts, evals, trainer,
-                 RunLog(run_dir, total_steps=cfg.rl.steps), t_start, state.elapsed_s)
+                 log, t_start, state.elapsed_s)
 
 
 # --------------------------------------------------------------------------- the recipe
@@ -227,6 +256,9 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
             parts.log.phase("eval", len(parts.heldout) * cfg.eval.samples)
             end = parts.evaluate("end", state)
             _sample_trees(parts.store, sessions, run_dir / "trees", parts.tokenizer.decode)
+    except BaseException:
+        parts.log.close(failed=True)
+        raise
     finally:
         parts.close()
     return summarize(parts, state, end, schedule)
@@ -342,6 +374,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
                 state, eps=eps, m=metrics, t_wait=t_wait, t_train=t_train,
                 wall=time.perf_counter() - t0, cpu=_cpu_seconds() - cpu0, groups=groups,
                 sched=sched.metrics(),
+                sampled=_sampled(store, [s for e in eps for s in e.session_ids]),
             ))
             log.advance("rl")
             if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
@@ -411,18 +444,23 @@ def _offer(demo: Demonstration, tools: tuple[str, ...]) -> Demonstration:
 def _sample_trees(
     store: LedgerStore, session_ids: list[str], out: Path, decode: Any, n: int = 4
 ) -> None:
-    """Tree pages of a few episodes of the last step, for `tidal report`."""
+    """Tree pages of a few episodes of the last step, and `index.json` (each one's
+    status, reward, sessions, calls and edges), for `tidal report`."""
     if not session_ids:
         return
     out.mkdir(exist_ok=True)
     res = process_store(store, session_ids, keep_graphs=True, strict=False)
     reports = {r.episode_id: r for r in res.episodes}
+    index = {}
     for g in res.graphs[:n]:
         rep = reports[g.episode_id]
         sids = {s.session_id for s in g.sessions}
         branches = [b for t in res.trees for b in t.branches if b.session_id in sids]
         page = render_episode_html(g, rep, branches, decode=decode)
         (out / f"{g.episode_id}.html").write_text(page, encoding="utf-8")
+        index[g.episode_id] = {"status": rep.status, "reward": rep.reward,
+                               "sessions": rep.sessions, "calls": rep.calls, "edges": rep.edges}
+    (out / "index.json").write_text(json.dumps(index, indent=1))  # the report's tree table
 
 
 def _recover(store: LedgerStore, state: RunState) -> list[str]:
@@ -443,15 +481,29 @@ def _recover(store: LedgerStore, state: RunState) -> list[str]:
     return carry
 
 
+def _sampled(store: LedgerStore, session_ids: list[str]) -> tuple[int, float]:
+    """Tokens the engine sampled for these sessions, and the wall clock from their
+    first call's start to their last call's end."""
+    tokens, first, last = 0, float("inf"), 0.0
+    for sid in session_ids:
+        for sc in store.call_log(sid).calls:
+            tokens += int(sc.call.output_ids.shape[0])
+            first, last = min(first, sc.call.started_at), max(last, sc.call.ended_at)
+    return tokens, max(last - first, 0.0)
+
+
 def _step_row(
     state: RunState, *, eps: list[Episode], m: dict[str, float], t_wait: float,
     t_train: float, wall: float, cpu: float, groups: list[Sample], sched: dict[str, Any],
+    sampled: tuple[int, float] = (0, 0.0),
 ) -> dict[str, Any]:
     """One RL step's metrics row. `rollout_s` is how long the trainer waited for its
-    batch (rollouts of other batches may overlap training under elastic/async); the
-    scheduler's figures (utilisation, role switches, idle time, staleness) are cumulative
-    over the run so far."""
+    batch (rollouts of other batches may overlap training under elastic/async);
+    `rollout_tokens_per_s` is the batch's sampled tokens over the span of its calls;
+    the scheduler's figures (utilisation, role switches, idle time, staleness) are
+    cumulative over the run so far."""
     n = max(len(eps), 1)
+    sampled_tokens, span = sampled
     return {
         "phase": "rl", "step": state.step, "policy_version": state.policy_version,
         "reward_mean": sum(e.reward for e in eps) / n,
@@ -460,10 +512,16 @@ def _step_row(
         "timeouts": sum(e.status == "timeout" for e in eps),
         "statuses": {s: sum(e.status == s for e in eps) for s in {e.status for e in eps}},
         "grader_errors": _grader_errors(eps),
+        # calls whose text looked like a tool call no parser accepted (docs/gateway.md)
+        "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
         "staleness": [grp.staleness for grp in groups],
         "rollout_s": t_wait, "train_s": t_train,
         # tokens trained (summed over paths, as per-path training would count them)
         "train_tokens_per_s": m.get("path_tokens", 0.0) / t_train if t_train else 0.0,
+        # tokens the engine sampled for this batch (subagents included), per second of
+        # the span from its first call's start to its last call's end
+        "rollout_tokens": sampled_tokens,
+        "rollout_tokens_per_s": sampled_tokens / span if span else 0.0,
         "cpu_utilization": cpu / (wall * (os.cpu_count() or 1)),
         **_schedule_summary(sched),
         **m,

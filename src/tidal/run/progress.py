@@ -1,6 +1,12 @@
-"""What a run shows and writes while it goes: rich progress bars, metrics as JSON Lines
-(`RUN_DIR/metrics.jsonl`, one row per warm start, RL step and evaluation) and the same
-numbers as TensorBoard scalars (`RUN_DIR/tb/`)."""
+"""What a run shows and writes while it goes: progress, and metrics as JSON Lines
+(`RUN_DIR/metrics.jsonl`, one row per warm start, RL step and evaluation) sent on, with
+the same names, to every logger of `[log] backends` (`tidal.run.loggers`: TensorBoard by
+default, W&B, MLflow).
+
+On a terminal, progress is rich bars; without one (CI, `nohup`, a pipe), plain lines:
+one per RL step, and for the other phases their first and last item and one line every
+`PLAIN_EVERY_S` seconds between, so a log file reads as a timeline.
+"""
 
 from __future__ import annotations
 
@@ -14,25 +20,43 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tidal.run.loggers import Logger, LogStart, open_loggers, scalars
+
+PLAIN_EVERY_S = 10.0
+
+
+class _Plain:
+    """One phase's progress as plain lines (no terminal)."""
+
+    def __init__(self, total: int, done: int) -> None:
+        self.total, self.done = total, done
+        self.t0 = time.monotonic()
+        self.last = -PLAIN_EVERY_S
+        self.info = ""  # what the last metrics row said (the RL bar's reward, success)
+
 
 class RunLog:
-    def __init__(self, run_dir: Path, *, total_steps: int, quiet: bool = False) -> None:
+    """metrics.jsonl, the loggers, and progress. `backends` start here: one that cannot
+    is a `LoggerError` (raised before the run does anything else)."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int, quiet: bool = False,
+                 backends: tuple[str, ...] = ("tensorboard",),
+                 start: LogStart | None = None, console: Console | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
+        start = start or LogStart.load(run_dir, name=run_dir.name, project="tidal", config={})
+        self._loggers: list[tuple[str, Logger]] = open_loggers(backends, start)
         self._fh = self.path.open("a", encoding="utf-8")
-        self._console = Console(stderr=True, quiet=quiet)
+        self._console = console or Console(stderr=True, quiet=quiet)
+        self._bars = self._console.is_terminal
         self._progress = Progress(
             TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self._console,
+            disable=not self._bars,
         )
         self._tasks: dict[str, Any] = {}
+        self._plain: dict[str, _Plain] = {}
         self._total_steps = total_steps
-        self._tb: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tb"))
-        except ImportError:  # tensorboard is optional at run time
-            self._tb = None
+        self._closed = False
 
     @contextlib.contextmanager
     def live(self) -> Iterator[None]:
@@ -40,6 +64,7 @@ class RunLog:
             yield
 
     def phase(self, name: str, total: int, done: int = 0) -> None:
+        self._plain[name] = _Plain(total, done)
         if name in self._tasks:
             self._progress.reset(self._tasks[name], total=total, completed=done)
         else:
@@ -49,28 +74,54 @@ class RunLog:
         if name not in self._tasks:
             return
         text = " ".join(f"{k}={v:.3g}" for k, v in info.items())
-        self._progress.update(self._tasks[name], advance=1, info=text)
+        self._progress.update(self._tasks[name], advance=1)
+        if text:
+            self._progress.update(self._tasks[name], info=text)
+        p = self._plain[name]
+        p.done += 1
+        now = time.monotonic()
+        if name == "rl" or p.done in (1, p.total) or now - p.last >= PLAIN_EVERY_S:
+            p.last = now
+            self._line(f"{name} {p.done}/{p.total} {text or p.info}".rstrip()
+                       + f" ({now - p.t0:.0f} s)")
+
+    def _line(self, text: str) -> None:
+        if not self._bars:
+            self._console.print(f"{time.strftime('%H:%M:%S')} {text}", soft_wrap=True,
+                                markup=False, highlight=False)
 
     def metrics(self, row: dict[str, Any]) -> None:
         row = {"time": time.time(), **row}
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
-        if self._tb is not None:
-            phase, step = row.get("phase", "x"), int(row.get("step", 0))
-            for k, v in row.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
-                    self._tb.add_scalar(f"{phase}/{k}", v, step)
-        if row.get("phase") == "rl" and "rl" in self._tasks:
-            self._progress.update(
-                self._tasks["rl"],
-                info=f"reward={row['reward_mean']:.2f} success={row['success_rate']:.2f}",
-            )
-        elif row.get("phase") == "eval":
-            self._console.log(
-                f"held-out success {row['success_rate']:.2%} at step {row['step']}"
-            )
+        phase, step = str(row.get("phase", "x")), int(row.get("step", 0))
+        values = scalars(row)
+        for name, logger in list(self._loggers):
+            try:
+                logger.log(phase, step, values, row["time"])
+            except Exception as e:  # a tracker that fails mid-run is dropped, not fatal
+                self._loggers.remove((name, logger))
+                self._console.print(f"warning: log.backends {name!r} failed at {phase} step "
+                                    f"{step} and is off for the rest of the run: {e}",
+                                    markup=False, highlight=False)
+        if phase == "rl" and "rl" in self._tasks:
+            info = f"reward={row['reward_mean']:.2f} success={row['success_rate']:.2f}"
+            self._progress.update(self._tasks["rl"], info=info)
+            self._plain["rl"].info = info
+        elif phase == "eval":
+            text = f"held-out success {row['success_rate']:.2%} at step {row['step']}"
+            if self._bars:
+                self._console.log(text)
+            else:
+                self._line(text)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Closes metrics.jsonl and every logger (a failed run says so to W&B/MLflow);
+        a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._fh.close()
-        if self._tb is not None:
-            self._tb.close()
+        for _, logger in self._loggers:
+            with contextlib.suppress(Exception):
+                logger.close(failed=failed)

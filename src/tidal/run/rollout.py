@@ -58,6 +58,7 @@ class Episode:
     seconds: float
     checks: dict[str, float] = field(default_factory=dict)
     grader_error: str | None = None
+    tool_parse_failures: int = 0  # calls whose text looked like a tool call none parsed
 
 
 def new_session_id(phase: str, step: int, task_id: str, k: int) -> str:
@@ -152,12 +153,13 @@ class Rollouts:
         if outcomes:
             self.store.append_outcomes(outcomes)
         self._forget(sessions)
-        n_calls = sum(len(self.store.call_log(o.session_id)) for o in outcomes)
+        logged = [sc.call for o in outcomes for sc in self.store.call_log(o.session_id).calls]
         return Episode(
             task_id=task.task_id, session_id=session_id,
             session_ids=tuple(o.session_id for o in outcomes), status=status,
-            reward=grade.reward, partial_score=grade.partial_score, n_calls=n_calls,
+            reward=grade.reward, partial_score=grade.partial_score, n_calls=len(logged),
             seconds=time.perf_counter() - t0, checks=grade.by_kind, grader_error=grade.error,
+            tool_parse_failures=sum("tool_parse" in (c.metadata or {}) for c in logged),
         )
 
     def _keep_log(self, session_id: str, result: HarnessResult) -> None:

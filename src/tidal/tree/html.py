@@ -25,6 +25,7 @@ from typing import Any
 
 from tidal.tree.episode import EpisodeGraph
 from tidal.tree.process import EpisodeReport
+from tidal.tree.shape import shape_svg
 from tidal.tree.trie import CallPlace, SessionTrie
 from tidal.tree.types import Branch
 
@@ -57,6 +58,7 @@ summary{cursor:pointer;color:#374151;font-size:12px}.model{font-weight:bold}
 .star{color:#b45309}.legend span{display:inline-block;margin:2px 6px 2px 0;padding:1px 6px;
 border-radius:3px;font-size:12px}.sess{border:1px solid #ddd;padding:6px;margin:6px 0}
 table{border-collapse:collapse}td{padding:1px 8px;font-size:12px}
+.shape{margin:8px 0;overflow-x:auto}.shape svg{max-width:100%;height:auto}
 """
 
 _JS = """
@@ -218,12 +220,17 @@ def render_episode_html(
         f"<tr><td>{_esc(k)}</td><td>{_esc(json.dumps(v))}</td></tr>"
         for k, v in report.to_json().items()
     )
+    shape = shape_svg(graph, branches, role_colours=ROLE_COLOURS, edge_colours=EDGE_COLOURS,
+                      other_role=OTHER_ROLE_COLOUR)
     data = json.dumps(page.nodes).replace("</", "<\\/")
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>episode {_esc(graph.episode_id)}</title><style>{_CSS}</style></head><body>"
         f"<div id='tree'><h2>episode {_esc(graph.episode_id)}</h2>"
-        f"<div class='legend'>roles: {legend}</div><table>{stats}</table>"
+        f"<div class='legend'>roles: {legend}</div>"
+        f"<div class='shape'>{shape}<div class='legend'>ring: where a sampled path ends; "
+        "dashed: a compaction (the context was replaced)</div></div>"
+        f"<details><summary>episode figures</summary><table>{stats}</table></details>"
         f"{''.join(page.out)}</div>"
         "<div id='panel'><p>Click a node to see its text.</p></div>"
         f"<script type='application/json' id='nodes'>{data}</script>"
