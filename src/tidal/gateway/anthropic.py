@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tidal.gateway.core import Answer, ChatCall, ChatTurn, Route, answer, tidal_block
-from tidal.gateway.messages import OBJECT_ARGUMENTS, RequestError
+from tidal.gateway.messages import OBJECT_ARGUMENTS, RequestError, flat_tools
 from tidal.gateway.sse import sse, text_pieces
 from tidal.gateway.toolcalls import join_thinking, split_thinking
 
@@ -193,27 +193,9 @@ def chat_messages(value: object) -> list[dict[str, Any]]:
 
 
 def chat_tools(value: object) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise RequestError("tools must be a list", param="tools", code="invalid_tool_schema")
-    out = []
-    for i, t in enumerate(value):
-        if not isinstance(t, Mapping) or t.get("type", "custom") != "custom":
-            got = t.get("type") if isinstance(t, Mapping) else t
-            raise RequestError(
-                f"tools[{i}]: type {got!r} is not supported; the gateway serves client tools "
-                "(name, description, input_schema) only",
-                param=f"tools[{i}].type",
-                code="invalid_tool_schema",
-            )
-        fn: dict[str, Any] = {"name": t.get("name")}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
-        if t.get("input_schema") is not None:
-            fn["parameters"] = t["input_schema"]
-        out.append({"type": "function", "function": fn})
-    return out
+    """Anthropic client tools (name, description, input_schema) in chat form."""
+    return flat_tools(value, kind="custom", default_kind="custom", schema_key="input_schema",
+                      served="client tools (name, description, input_schema)")
 
 
 def chat_tool_choice(value: object) -> object:

@@ -216,6 +216,35 @@ def parse_tools(value: object) -> list[dict[str, Any]] | None:
     return out
 
 
+def flat_tools(
+    value: object, *, kind: str, default_kind: str | None, schema_key: str, served: str
+) -> list[dict[str, Any]] | None:
+    """Tools in the flat form the Responses and Anthropic APIs share (`{type, name,
+    description, <schema_key>}`) as chat function tools; `kind` is the one type served
+    (`default_kind` when a tool names none), anything else is refused naming `served`.
+    `parse_tools` validates the result."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError("tools must be a list", param="tools", code="invalid_tool_schema")
+    out = []
+    for i, t in enumerate(value):
+        if not isinstance(t, Mapping) or t.get("type", default_kind) != kind:
+            got = t.get("type") if isinstance(t, Mapping) else t
+            raise RequestError(
+                f"tools[{i}]: type {got!r} is not supported; the gateway serves {served} only",
+                param=f"tools[{i}].type",
+                code="invalid_tool_schema",
+            )
+        fn: dict[str, Any] = {"name": t.get("name")}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        if t.get(schema_key) is not None:
+            fn["parameters"] = t[schema_key]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
 def template_message(m: Message) -> dict[str, Any]:
     """The dict a chat template gets. Arguments given as a JSON string are parsed to a
     mapping first: Qwen's template applies `tojson` to them, which would otherwise render a

@@ -52,7 +52,7 @@ from tidal.gateway.core import (
     tidal_block,
 )
 from tidal.gateway.drift import RecordedToolCall
-from tidal.gateway.messages import RequestError
+from tidal.gateway.messages import RequestError, flat_tools
 from tidal.gateway.sse import sse, text_pieces
 from tidal.gateway.toolcalls import join_thinking, split_thinking
 
@@ -71,6 +71,22 @@ class Held:
     previous: str | None  # the response whose conversation comes before `input`
     input: tuple[dict[str, Any], ...]
     output: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Latest:
+    """A session's latest held response: its id, and its conversation (chat messages) as
+    JSON text and as a count, for a client that resends the whole history."""
+
+    response_id: str
+    text: str
+    n_messages: int
+
+
+def _extends(text: str, prefix: str) -> bool:
+    """Whether the JSON list `text` holds the list `prefix`'s items, then more."""
+    k = len(prefix)
+    return len(text) > k and text.startswith(prefix[:-1]) and text[k - 1] == ","
 
 
 def response_id(call_id: str) -> str:
@@ -200,23 +216,8 @@ def input_messages(value: object) -> list[dict[str, Any]]:
 
 def chat_tools(value: object) -> list[dict[str, Any]] | None:
     """Responses function tools (flat: name, description, parameters) in chat form."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise RequestError("tools must be a list", param="tools", code="invalid_tool_schema")
-    out = []
-    for i, t in enumerate(value):
-        if not isinstance(t, Mapping) or t.get("type") != "function":
-            got = t.get("type") if isinstance(t, Mapping) else t
-            raise RequestError(
-                f"tools[{i}]: type {got!r} is not supported; the gateway serves function "
-                "tools only",
-                param=f"tools[{i}].type",
-                code="invalid_tool_schema",
-            )
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+    return flat_tools(value, kind="function", default_kind=None, schema_key="parameters",
+                      served="function tools")
 
 
 def chat_tool_choice(value: object) -> object:
@@ -238,8 +239,7 @@ class ResponsesAPI:
         self._lock = threading.Lock()
         self._held: dict[str, Held] = {}
         self._by_session: dict[str, list[str]] = {}
-        # per session: the latest held response and its conversation's JSON text
-        self._latest: dict[str, tuple[str, str]] = {}
+        self._latest: dict[str, Latest] = {}
         gateway.on_forget.append(self.forget)
 
     def forget(self, session_id: str) -> None:
@@ -365,15 +365,12 @@ class ResponsesAPI:
         }
         # what this call stores of its input: only what follows a held conversation
         base, stored_input = prev, new
-        text = orjson.dumps(items).decode() if store and not prev and route.session_id else ""
-        if text and route.session_id is not None:
+        items_text = orjson.dumps(items).decode() if store else ""
+        if store and not prev and route.session_id is not None:
             with self._lock:
                 latest = self._latest.get(route.session_id)
-            if latest is not None and text.startswith(latest[1][:-1]) and (
-                len(text) > len(latest[1]) and text[len(latest[1]) - 1] == ","
-            ):
-                base = latest[0]
-                stored_input = items[len(self.conversation(base)) :]
+            if latest is not None and _extends(items_text, latest.text):
+                base, stored_input = latest.response_id, items[latest.n_messages :]
         rid_meta: dict[str, Any] = {"store": store}
         if store:
             rid_meta.update(previous=base, input=stored_input)
@@ -395,9 +392,10 @@ class ResponsesAPI:
         output_msg = turn.message()
         if store:
             self._hold(rid, Held(turn.session_id, base, tuple(stored_input), output_msg))
-            conv = [*items, output_msg]
+            out = orjson.dumps(output_msg).decode()
+            conv = f"{items_text[:-1]},{out}]" if items else f"[{out}]"
             with self._lock:
-                self._latest[turn.session_id] = (rid, orjson.dumps(conv).decode())
+                self._latest[turn.session_id] = Latest(rid, conv, len(items) + 1)
         return answer(turn, self._body(turn, body, rid, prev, want_lp))
 
     def _body(
