@@ -66,10 +66,9 @@ def session_tree(name: str, calls: list[tuple[list[int], Any]], group: str, adv:
 
 
 def measure(numerics: str, args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
     from tidal.engine.base import SamplingParams
     from tidal.engine.embedded import EmbeddedEngine
+    from tidal.engine.model import load_policy_model
     from tidal.train import LossConfig, TreeTrainer
 
     prompts = [np.random.default_rng(100 + t).integers(0, 5000, size=args.prompt).tolist()
@@ -97,7 +96,7 @@ def measure(numerics: str, args: argparse.Namespace, model_dir: Path) -> dict[st
                  for _, gen in calls)
     trees = [session_tree(f"t{t}-{g}", calls, f"task{t}", 1.0 if g % 2 else -1.0)
              for (t, g), calls in sorted(sessions.items())]
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = load_policy_model(model_dir)
     trainer = TreeTrainer(
         model, torch.optim.AdamW(model.parameters(), lr=1e-4), LossConfig(),
         attention="consistent" if numerics == "consistent" else "auto",

@@ -68,10 +68,13 @@ import zlib
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tidal.engine.base import Weights
 
 
 class InstantEngine:
@@ -86,13 +89,13 @@ class InstantEngine:
     policy_version = property(lambda self: 0)
     max_context = property(lambda self: 32768)
 
-    def generate(self, prompts: Any, params: Any) -> list[Any]:
+    def generate(self, prompts: Any, params: Any, *, session: str | None = None) -> list[Any]:
         from tidal.engine.base import Generation
 
         ids = np.asarray([9707, self._stop][: params.max_tokens], dtype=np.int32)
         return [Generation(ids, np.zeros(len(ids), np.float32), "stop", 0) for _ in prompts]
 
-    def update_weights(self, source: str, version: int) -> None:
+    def update_weights(self, source: Weights | str | Path, version: int) -> None:
         pass
 
 
@@ -106,7 +109,7 @@ class PacedEngine(InstantEngine):
         super().__init__(stop_id)
         self._ms = ms
 
-    def generate(self, prompts: Any, params: Any) -> list[Any]:
+    def generate(self, prompts: Any, params: Any, *, session: str | None = None) -> list[Any]:
         jitter = np.random.default_rng(params.seed).uniform(0.5, 1.5)
         time.sleep(self._ms * jitter / 1e3)
         return super().generate(prompts, params)

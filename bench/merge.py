@@ -35,8 +35,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
+    from tidal.engine.model import load_policy_model
     from tidal.ledger.store import LedgerStore
     from tidal.run.config import load_config
     from tidal.train import LossConfig, TreeTrainer
@@ -46,9 +45,7 @@ def main() -> None:
     run: Path = args.run_dir
     cfg = load_config(run / "config.toml")
     store = LedgerStore(run / "ledger.db")
-    base = AutoModelForCausalLM.from_pretrained(
-        str(run / "checkpoint"), dtype=torch.float32, attn_implementation="sdpa"
-    )
+    base = load_policy_model(run / "checkpoint")
     sessions = store.session_ids()
     loss_cfg = LossConfig(
         clip_low=cfg.rl.clip_eps, clip_high=cfg.rl.clip_eps, correction=cfg.rl.correction

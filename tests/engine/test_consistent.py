@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen
 from tests.engine.reference import causal_lists, generate_concurrently
 from tests.train.conftest import tiny_qwen2, tiny_qwen3
 from tidal.engine.base import EngineError, SamplingParams
+from tidal.engine.batch import SequenceRequest
 from tidal.engine.consistent import (
     KEY_BLOCK,
     QUERY_CHUNK,
@@ -27,7 +28,8 @@ from tidal.engine.consistent import (
     block_attention,
     tiled_linear,
 )
-from tidal.engine.embedded import ConsistentDecodeBatch, EmbeddedEngine, SequenceRequest
+from tidal.engine.consistent_batch import ConsistentDecodeBatch
+from tidal.engine.embedded import EmbeddedEngine
 
 PROMPTS = [list(range(1000, 1017)), [151644, 872, 198, 9707, 1879], list(range(5000, 5240, 3))]
 

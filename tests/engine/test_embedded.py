@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,14 +17,9 @@ from tests.engine.reference import (
     generate_concurrently,
     processed_distribution,
 )
-from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
-from tidal.engine.embedded import (
-    DecodeBatch,
-    EmbeddedEngine,
-    SequenceRequest,
-    SequenceResult,
-    decode_batch,
-)
+from tidal.engine.base import Engine, EngineError, Generation, SamplingParams, Weights
+from tidal.engine.batch import DecodeBatch, SequenceRequest, SequenceResult, decode_batch
+from tidal.engine.embedded import EmbeddedEngine
 from tidal.engine.sampling import processed_logprobs
 
 # fp32 on CPU: logprobs from the KV-cached loop vs one full forward pass, and padded vs
@@ -252,27 +248,36 @@ def test_update_weights_bumps_version_and_changes_outputs(tiny_dir: Path, tmp_pa
         np.testing.assert_array_equal(again.output_ids, before.output_ids)
 
 
-def test_load_state_dict_in_process(tiny_dir: Path) -> None:
+def test_update_weights_in_process(tiny_dir: Path, tmp_path: Path) -> None:
     with EmbeddedEngine(tiny_dir) as eng:
         state = _perturbed_state(eng)
-        eng.load_state_dict(state, 5)
+        eng.update_weights(Weights.of_state_dict(state), 5)
         assert eng.policy_version == 5
         name = "model.layers.0.mlp.up_proj.weight"
         torch.testing.assert_close(dict(eng.model.named_parameters())[name], state[name])
         # A trainer's model.state_dict() (tied lm_head.weight included) is accepted.
         full = {k: v.clone() for k, v in eng.model.state_dict().items()}
         assert "lm_head.weight" in full
-        eng.load_state_dict(full, 5)
+        eng.update_weights(Weights.of_state_dict(full), 5)
         torch.testing.assert_close(dict(eng.model.named_parameters())[name], state[name])
+        # A trainer's model: its tensors are copied, no checkpoint is written.
+        trainer_model = copy.deepcopy(eng.model)
+        with torch.no_grad():
+            dict(trainer_model.named_parameters())[name].add_(1.0)
+        weights = Weights.of_model(trainer_model, tmp_path / "ckpt")
+        eng.update_weights(weights, 6)
+        assert eng.policy_version == 6 and not weights.written
+        assert not (tmp_path / "ckpt").exists()
+        torch.testing.assert_close(dict(eng.model.named_parameters())[name], state[name] + 1.0)
         with pytest.raises(EngineError, match="unexpected keys"):
-            eng.load_state_dict({"nope": torch.zeros(1)}, 6)
+            eng.update_weights(Weights.of_state_dict({"nope": torch.zeros(1)}), 7)
         with pytest.raises(EngineError, match="missing keys"):
-            eng.load_state_dict({name: state[name]}, 6)
+            eng.update_weights(Weights.of_state_dict({name: state[name]}), 7)
         bad = dict(state)
         bad[name] = torch.zeros(3, 3)
         with pytest.raises(EngineError, match="shape"):
-            eng.load_state_dict(bad, 6)
-        assert eng.policy_version == 5
+            eng.update_weights(Weights.of_state_dict(bad), 7)
+        assert eng.policy_version == 6
 
 
 def test_update_weights_errors(engine: EmbeddedEngine, tmp_path: Path) -> None:
@@ -355,11 +360,12 @@ def test_weight_update_waits_for_running_sequences(tiny_dir: Path) -> None:
         )
         runner.start()
         _wait_until_busy(eng)
-        eng.load_state_dict(perturbed, 1)  # returns once the running sequence is done
+        # Returns once the running sequence is done.
+        eng.update_weights(Weights.of_state_dict(perturbed), 1)
         assert out and out[0].policy_version == 0
         assert eng.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0].policy_version == 1
         runner.join()
-        eng.load_state_dict(original, 2)
+        eng.update_weights(Weights.of_state_dict(original), 2)
         # The whole sequence was sampled from the original weights.
         ref = forward_logprobs(eng.model, PROMPTS[0], out[0].output_ids.tolist())
         np.testing.assert_allclose(out[0].logprobs, ref.numpy(), atol=ATOL, rtol=0)

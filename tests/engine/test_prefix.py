@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.engine.reference import forward_logprobs
-from tidal.engine.base import SamplingParams
+from tidal.engine.base import SamplingParams, Weights
 from tidal.engine.embedded import EmbeddedEngine
 from tidal.engine.prefix import PrefixCache
 
@@ -171,7 +171,7 @@ def test_weight_updates_empty_the_cache(tiny_dir: Path) -> None:
         first = eng.generate([prompt], params)[0]
         longer = prompt + first.output_ids.tolist() + [5, 6, 7]
         assert eng.generate([longer], params)[0].extra["cached_tokens"] == 107
-        eng.load_state_dict(dict(eng.model.state_dict()), version=1)
+        eng.update_weights(Weights.of_state_dict(dict(eng.model.state_dict())), version=1)
         assert eng.generate([longer], params)[0].extra["cached_tokens"] == 0
         stats = eng.prefix_stats
         assert stats is not None and stats.entries == 1

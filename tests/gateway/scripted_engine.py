@@ -12,12 +12,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from tidal.engine.base import EngineError, Generation, SamplingParams
+from tidal.engine.base import EngineError, Generation, SamplingParams, Weights
 
 
 class ScriptedEngine:
@@ -58,7 +59,8 @@ class ScriptedEngine:
         return self._max_context
 
     def generate(
-        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams
+        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams,
+        *, session: str | None = None,
     ) -> list[Generation]:
         out = []
         for p in prompts:
@@ -88,5 +90,5 @@ class ScriptedEngine:
             )
         return out
 
-    def update_weights(self, source: str, version: int) -> None:
+    def update_weights(self, source: Weights | str | Path, version: int) -> None:
         self._version = version

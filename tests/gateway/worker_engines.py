@@ -21,7 +21,8 @@ SLOW_S = 3.0
 
 class _Scripted(ScriptedEngine):
     def generate(
-        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams
+        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams,
+        *, session: str | None = None,
     ) -> list[Generation]:
         if any(SLOW in self._tok.decode(list(p)) for p in prompts):
             time.sleep(SLOW_S)  # long enough to kill the worker while the call is in flight

@@ -250,8 +250,8 @@ def test_progress_is_plain_lines_without_a_terminal(tmp_path: Path) -> None:
     log.close()
     lines = out.getvalue().splitlines()
     assert [line.split(" ", 1)[1].rsplit(" (", 1)[0] for line in lines] == [
-        "rl 1/2 reward=0.40 success=0.25", "rl 2/2 reward=0.60 success=0.50",
-        "eval 1/3", "eval 3/3", "held-out success 50.00% at step 2"]
+        "rl 0/2", "rl 1/2 reward=0.40 success=0.25", "rl 2/2 reward=0.60 success=0.50",
+        "eval 0/3", "eval 1/3", "eval 3/3", "held-out success 50.00% at step 2"]
     assert "\x1b[" not in out.getvalue()  # no escape codes in a log file
 
 

@@ -8,12 +8,17 @@ top-k and top-p), so that the trainer's importance ratios compare like with like
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions
 
@@ -65,6 +70,95 @@ class Generation:
     top_logprobs: TopLogprobs | None = None
 
 
+class Weights:
+    """New policy weights on their way from the trainer to an engine, in the form each
+    engine needs, each made at most once: `tensors()` streams (name, full tensor) pairs
+    (an in-process engine copies them; a collective sync broadcasts them one by one),
+    `directory()` writes a transformers checkpoint (safetensors, config, tokenizer) the
+    first time it is asked and returns it (engines in other processes load it).
+
+    The trainer gives `Weights.of_model(model, out)` per update; a path given to
+    `update_weights` is a checkpoint that exists already (`Weights.of_directory`).
+    """
+
+    def __init__(
+        self,
+        tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+        *,
+        directory: Path | None = None,
+        write: Callable[[Path], None] | None = None,
+        target: Path | None = None,
+    ) -> None:
+        self._tensors = tensors
+        self._dir = directory
+        self._write = write
+        self._target = target
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_model(cls, model: Any, out: Path, *, extra_files: Sequence[Path] = ()) -> Weights:
+        """A transformers model's weights: its state dict in process, and on demand
+        `model.save_pretrained(out)` plus `extra_files` (e.g. the tokenizer's files). The
+        model is read when they are asked for: hand them over before it trains again."""
+
+        def write(d: Path) -> None:
+            import shutil
+
+            d.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(d, safe_serialization=True)
+            for f in extra_files:
+                shutil.copy2(f, d / f.name)
+
+        return cls(lambda: iter(model.state_dict().items()), write=write, target=out)
+
+    @classmethod
+    def of_state_dict(cls, state_dict: Mapping[str, torch.Tensor]) -> Weights:
+        """Tensors in process only: an engine that needs a directory refuses them."""
+        return cls(lambda: iter(state_dict.items()))
+
+    @classmethod
+    def of_directory(cls, path: str | Path) -> Weights:
+        """A checkpoint directory that exists (its tensors are read from it on demand)."""
+        d = Path(path)
+        return cls(lambda: _read_safetensors(d), directory=d)
+
+    @property
+    def written(self) -> bool:
+        """Whether the checkpoint directory exists yet (made, or given)."""
+        return self._dir is not None
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._tensors()
+
+    def directory(self) -> Path:
+        """The checkpoint directory, written now if it was not yet (once)."""
+        with self._lock:
+            if self._dir is None:
+                if self._write is None or self._target is None:
+                    raise EngineError("these weights are tensors in process: this engine "
+                                      "needs a checkpoint directory (Weights.of_model or a path)")
+                self._write(self._target)
+                self._dir = self._target
+            return self._dir
+
+
+def _read_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    if not d.is_dir():
+        raise EngineError(f"no checkpoint directory at {d}")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"no *.safetensors files in {d}")
+    for f in files:
+        yield from load_file(str(f)).items()
+
+
+def as_weights(source: Weights | str | Path) -> Weights:
+    """What `update_weights` was given, as `Weights` (a path is an existing checkpoint)."""
+    return source if isinstance(source, Weights) else Weights.of_directory(source)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the gateway and the RL loop need from an inference engine."""
@@ -81,14 +175,20 @@ class Engine(Protocol):
         ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams
+        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams,
+        *, session: str | None = None,
     ) -> list[Generation]:
-        """Sample one continuation per prompt (a batch; may be of size 1). Thread-safe."""
+        """Sample one continuation per prompt (a batch; may be of size 1). Thread-safe.
+
+        `session` names the agent session the prompts belong to (the gateway passes it to
+        engines whose `generate` accepts it): a pool of servers keeps a session on one
+        server, whose prefix cache holds its history. Sampling does not depend on it."""
         ...
 
-    def update_weights(self, source: str, version: int) -> None:
-        """Load new weights (a checkpoint directory written by the trainer) and set the
-        policy version that later generations carry."""
+    def update_weights(self, source: Weights | str | Path, version: int) -> None:
+        """Load new weights (`Weights` from the trainer, or a checkpoint directory) and set
+        the policy version that later generations carry. The one way weights reach an
+        engine: in process, in another process, or over a collective."""
         ...
 
 

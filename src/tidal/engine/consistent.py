@@ -21,7 +21,7 @@ trainer recomputes it inside a 4,000-token tree stream:
 - RMSNorm, RoPE (angles computed elementwise), SiLU and log-softmax work row by row.
 
 Both sides use it: `EmbeddedEngine(numerics="consistent")` samples from it (its KV cache
-is a slot store, `ConsistentDecodeBatch` in `embedded.py`), and the trainer's
+is a slot store, `ConsistentDecodeBatch` in `consistent_batch.py`), and the trainer's
 `attention="consistent"` backend recomputes and trains with it (`tidal.train`), so the
 recorded rollout log-probability of a token equals the trainer's bit for bit when the
 weights are the same (`tests/engine/test_consistent.py`).

@@ -43,7 +43,15 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from tidal.engine.base import EngineError, Generation, SamplingParams, TopLogprobs, mix_seed
+from tidal.engine.base import (
+    EngineError,
+    Generation,
+    SamplingParams,
+    TopLogprobs,
+    Weights,
+    as_weights,
+    mix_seed,
+)
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
@@ -88,6 +96,15 @@ class VLLMEngine:
         return self._model_name
 
     @property
+    def base_url(self) -> str:
+        return self._base
+
+    def set_version(self, version: int) -> None:
+        """The version later generations carry, after weights reached the server another
+        way (a collective broadcast: `tidal.engine.weight_transfer`)."""
+        self._version = int(version)
+
+    @property
     def policy_version(self) -> int:
         return self._version
 
@@ -96,8 +113,10 @@ class VLLMEngine:
         return self._max_context
 
     def generate(
-        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams
+        self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams,
+        *, session: str | None = None,
     ) -> list[Generation]:
+        """`Engine.generate`; `session` is accepted and ignored (one server)."""
         if not isinstance(params, SamplingParams):
             raise EngineError(f"params must be SamplingParams, got {type(params).__name__}")
         if self._logprobs_mode == "raw_logprobs" and (
@@ -123,10 +142,12 @@ class VLLMEngine:
             for ids, lps, reason, top in results
         ]
 
-    def update_weights(self, source: str | Path, version: int) -> None:
-        """Reload the server's weights from a checkpoint directory and set the version."""
+    def update_weights(self, source: Weights | str | Path, version: int) -> None:
+        """Reload the server's weights from a checkpoint directory (`Weights` are written
+        to theirs first, once) and set the version."""
         if version < 0:
             raise EngineError(f"policy version must be >= 0, got {version}")
+        source = as_weights(source).directory()
         if self._check_local_paths and not any(Path(source).glob("*.safetensors")):
             # vLLM 0.32's engine core dies on a reload from a missing directory: check first.
             raise EngineError(

@@ -42,8 +42,8 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tidal.gateway.core import Answer, ChatCall, ChatTurn, Route, answer, tidal_block
-from tidal.gateway.messages import OBJECT_ARGUMENTS, RequestError, flat_tools
+from tidal.gateway.core import Answer, ChatCall, ChatTurn, Route, answer, flag, tidal_block
+from tidal.gateway.messages import OBJECT_ARGUMENTS, RequestError, flat_tools, shown
 from tidal.gateway.sse import sse, text_pieces
 from tidal.gateway.toolcalls import join_thinking, split_thinking
 
@@ -80,7 +80,7 @@ def _texts(blocks: list[Any], where: str, allowed: tuple[str, ...]) -> list[tupl
         kind = b.get("type") if isinstance(b, Mapping) else None
         if kind not in allowed:
             raise _err(
-                f"{where}[{k}]: block type {kind!r} is not supported here (supported: "
+                f"{where}[{k}]: block type {shown(kind)} is not supported here (supported: "
                 f"{', '.join(allowed)}; the engines are text-only)",
                 f"{where}[{k}].type",
             )
@@ -126,7 +126,8 @@ def chat_messages(value: object) -> list[dict[str, Any]]:
             raise _err(f"{where} must be an object", where)
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
-            raise _err(f"{where}.role must be user or assistant, got {role!r}", f"{where}.role")
+            raise _err(f"{where}.role must be user or assistant, got {shown(role)}",
+                       f"{where}.role")
         if isinstance(content, str):
             blocks: list[Any] = [{"type": "text", "text": content}]
         elif isinstance(content, list):
@@ -227,7 +228,7 @@ class MessagesAPI:
         if temp is not None and (
             isinstance(temp, bool) or not isinstance(temp, int | float) or not 0 <= temp <= 1
         ):
-            raise _err(f"temperature must be a number in [0, 1], got {temp!r}", "temperature")
+            raise _err(f"temperature must be a number in [0, 1], got {shown(temp)}", "temperature")
         stops = body.get("stop_sequences") or []
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise _err("stop_sequences must be a list of non-empty strings", "stop_sequences")
@@ -248,7 +249,7 @@ class MessagesAPI:
                 endpoint="messages",
                 tool_id_prefix="toolu_",
                 metadata=meta,
-                want_texts=bool(body.get("stream")),
+                want_texts=flag(body, "stream"),
             ),
             route,
         )
@@ -266,7 +267,7 @@ class MessagesAPI:
         for t in turn.tool_calls:
             try:
                 value = json.loads(t.arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, or not for Python
                 value = None
             content.append({
                 "type": "tool_use", "id": t.id, "name": t.name,

@@ -1,6 +1,10 @@
-"""`tidal serve` and `tidal verify`: wiring only (logic lives in server.py, verify.py).
+"""`tidal serve` and `tidal verify`: wiring only (logic lives in server.py, verify.py,
+workers.py).
 
-Heavy imports (torch, transformers, uvicorn) happen inside the commands.
+Heavy imports (torch, transformers, uvicorn) happen inside the commands. `tidal serve`
+checks its options and binds its port before it loads a model or creates the store, and
+prints its URL (the port really bound) only when it serves (docs/gateway.md, "`tidal
+serve`: what bad input gets").
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ def serve(
     store: Annotated[Path, typer.Option(help="ledger store (SQLite file)")] = Path(
         "tidal-ledger.db"
     ),
-    port: Annotated[int, typer.Option(help="port on 127.0.0.1 (0: any free port)")] = 8000,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="port on 127.0.0.1 (0: any free port)")
+    ] = 8000,
     engine: Annotated[
         str,
         typer.Option(
@@ -31,10 +37,14 @@ def serve(
     served_name: Annotated[
         str | None, typer.Option(help="the vLLM server's model name (default: --model)")
     ] = None,
-    device: Annotated[str, typer.Option(help="device for the embedded engine")] = "cpu",
-    max_tokens: Annotated[int, typer.Option(help="default max_tokens per call")] = 256,
+    device: Annotated[
+        str, typer.Option(help="device for the embedded engine: cpu, cuda, cuda:N or mps")
+    ] = "cpu",
+    max_tokens: Annotated[
+        int, typer.Option(min=1, help="default max_tokens per call")
+    ] = 256,
     prefix_cache_mb: Annotated[
-        float, typer.Option(help="embedded engine's prefix cache in MiB (0: off)")
+        float, typer.Option(min=0, help="embedded engine's prefix cache in MiB (0: off)")
     ] = 256.0,
     workers: Annotated[
         int,
@@ -57,11 +67,13 @@ def serve(
 ) -> None:
     """Serve the recording gateway (Chat Completions, Responses, Anthropic Messages) on
     127.0.0.1."""
+    from tidal.engine.base import EngineError
     from tidal.gateway.workers import (
         GatewaySpec,
         RouterError,
         SpecError,
         build_gateway,
+        listen,
         run_gateway,
         run_router,
     )
@@ -80,18 +92,23 @@ def serve(
     )
     sessions = "(sessions: /sessions/<id>/v1)"
     try:
+        spec.check()  # every option first: nothing is loaded or created yet
+        listener = listen(port)  # then the port: one in use fails here, before the model
         if workers == 1:
             gw = build_gateway(spec)
-            typer.echo(f"tidal gateway: http://127.0.0.1:{port}/v1  {sessions}")
-            run_gateway(gw, port=port)
+            bound = listener.getsockname()[1]
+            typer.echo(f"tidal gateway: http://127.0.0.1:{bound}/v1  {sessions}")
+            run_gateway(gw, sockets=[listener])
             return
-        spec.check()  # in the workers a bad option would only show as a failed start
     except SpecError as e:
         raise typer.BadParameter(str(e), param_hint=e.param) from e
+    except EngineError as e:  # the engine would not start (a vLLM server not reachable)
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from e
     try:
         run_router(
             spec,
-            port,
+            listener,
             workers,
             announce=lambda bound: typer.echo(
                 f"tidal gateway: http://127.0.0.1:{bound}/v1  {sessions}, {workers} workers"

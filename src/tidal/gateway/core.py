@@ -7,7 +7,8 @@ response object, the data the streaming encoder needs, and timings. Every chat-l
 `anthropic.py`) is translated to a `ChatCall` and served by `Gateway.call`, which returns
 the recorded `ChatTurn` for the API to format: one path for token-in-token-out, drift and
 the ledger. Order of work, so that nothing is half-written on error: validate everything
-(model, messages, tools, sampling, session, parent, context length) -> generate -> cut
+(model, messages, tools, sampling, session, parent, the session's task and parent session
+as the ledger binds them, context length) -> generate -> cut
 at a stop string -> parse tool calls -> commit the call to the ledger -> remember the
 turn for token-in-token-out -> answer.
 
@@ -30,6 +31,8 @@ taken from each generation.
 
 from __future__ import annotations
 
+import inspect
+import re
 import threading
 import time
 import uuid
@@ -50,6 +53,7 @@ from tidal.gateway.messages import (
     parse_message,
     parse_messages,
     parse_tools,
+    shown,
 )
 from tidal.gateway.render import Renderer
 from tidal.gateway.tito import RecordedTurn, SessionTurns, assemble_prompt, turn_key
@@ -62,9 +66,16 @@ from tidal.gateway.toolcalls import (
     resolve_parsers,
 )
 from tidal.ledger.store import LedgerStore
-from tidal.ledger.types import ID_PATTERN, ROLE_PATTERN, Call, LedgerError
+from tidal.ledger.types import ROLE_PATTERN, Call, LedgerError
 
 DEFAULT_MAX_TOKENS = 256
+MAX_ID_LEN = 128
+# The ledger's ids without "/": an id must fit one URL path part, and every source of an
+# id (the URL, the X-Tidal-* headers) is checked against this one pattern.
+ROUTE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
+_ID_CHARS = "[A-Za-z0-9._:@+-], starting with a letter or digit"
+_ROUTE_IDS = ("session_id", "parent_call_id", "parent_session_id", "task_id")
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -78,21 +89,38 @@ class Route:
     role: str | None = None
 
     def validate(self) -> None:
-        for name in ("session_id", "parent_call_id", "parent_session_id", "task_id"):
+        """The same rules for an id from the URL or from a header (`check_route_id`)."""
+        for name in _ROUTE_IDS:
             v = getattr(self, name)
-            if v is not None and not ID_PATTERN.match(v):
-                raise RequestError(
-                    f"invalid {name.replace('_', ' ')} {v!r}: use 1-128 characters from "
-                    "[A-Za-z0-9._:@+-], starting with a letter or digit",
-                    param=name,
-                    code=f"invalid_{name}",
-                )
+            if v is not None:
+                check_route_id(name, v)
         if self.role is not None and not ROLE_PATTERN.match(self.role):
             raise RequestError(
-                f"invalid role {self.role!r}: use a lowercase name like 'main'",
+                f"invalid role {shown(self.role)}: use a lowercase name like 'main' (at most "
+                "32 characters from [a-z0-9_-], starting with a letter)",
                 param="role",
                 code="invalid_role",
             )
+
+
+def check_route_id(name: str, value: str) -> None:
+    """Refuse a session, parent call, parent session or task id that the ledger would not
+    keep or a URL path part could not carry, naming the field and the rule (a long id is
+    shown cut, with its length)."""
+    label = name.replace("_", " ")
+    if len(value) > MAX_ID_LEN:
+        raise RequestError(
+            f"invalid {label} {shown(value)} ({len(value)} characters): at most "
+            f"{MAX_ID_LEN} characters from {_ID_CHARS}",
+            param=name,
+            code=f"invalid_{name}",
+        )
+    if not ROUTE_ID_PATTERN.match(value):
+        raise RequestError(
+            f"invalid {label} {shown(value)}: use 1-{MAX_ID_LEN} characters from {_ID_CHARS}",
+            param=name,
+            code=f"invalid_{name}",
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,12 +201,16 @@ def chat_message(content: str | None, calls: Sequence[RecordedToolCall]) -> dict
     return msg
 
 
-def _int(body: Mapping[str, Any], key: str, default: int | None, lo: int) -> int | None:
+def int_field(
+    body: Mapping[str, Any], key: str, default: int | None, lo: int, hi: int = 2**31 - 1
+) -> int | None:
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise RequestError(f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RequestError(
+            f"{key} must be an integer in [{lo}, {hi}], got {shown(v)}", param=key
+        )
     return v
 
 
@@ -187,8 +219,36 @@ def _float(body: Mapping[str, Any], key: str, default: float, lo: float, hi: flo
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-        raise RequestError(f"{key} must be a number in [{lo}, {hi}], got {v!r}", param=key)
+        raise RequestError(f"{key} must be a number in [{lo}, {hi}], got {shown(v)}", param=key)
     return float(v)
+
+
+def flag(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    """A boolean field: true, false or absent/null (the default); anything else (1, "yes",
+    a list) is refused, naming the field."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{key} must be true or false, got {shown(v)}", param=key)
+    return v
+
+
+def check_stream_options(body: Mapping[str, Any]) -> None:
+    """`stream_options`: null or an object whose `include_usage` is a boolean."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return
+    if not isinstance(opts, Mapping):
+        raise RequestError(
+            f"stream_options must be an object, got {shown(opts)}", param="stream_options"
+        )
+    v = opts.get("include_usage")
+    if v is not None and not isinstance(v, bool):
+        raise RequestError(
+            f"stream_options.include_usage must be true or false, got {shown(v)}",
+            param="stream_options.include_usage",
+        )
 
 
 def sampling_record(params: SamplingParams) -> dict[str, Any]:
@@ -222,6 +282,7 @@ class Gateway:
         chat template's (`parsers_for_template`); `lenient_tool_parsing`: the parsers'
         lenient rules (`tidal.gateway.toolparsers`)."""
         self.engine = engine
+        self._engine_takes_session = "session" in inspect.signature(engine.generate).parameters
         self.store = store
         template = getattr(tokenizer, "chat_template", None)
         self.family = family or detect_family(template)
@@ -271,7 +332,7 @@ class Gateway:
             raise RequestError("model is required (a string)", param="model")
         if model not in self.model_names:
             raise RequestError(
-                f"the model {model!r} does not exist; this gateway serves "
+                f"the model {shown(model)} does not exist; this gateway serves "
                 f"{', '.join(map(repr, self.model_names))}",
                 param="model",
                 code="model_not_found",
@@ -282,15 +343,15 @@ class Gateway:
         self, body: Mapping[str, Any], prompt_len: int, top_logprobs: int = 0,
         stop: tuple[str, ...] = (),
     ) -> SamplingParams:
-        if _int(body, "n", 1, 1) != 1:
+        if int_field(body, "n", 1, 1) != 1:
             raise RequestError(
                 "n must be 1: each choice is its own recorded call; send several requests",
                 param="n",
             )
         limit = self.engine.max_context
         room = limit - prompt_len
-        asked = _int(body, "max_completion_tokens", None, 1)
-        asked = _int(body, "max_tokens", asked, 1)
+        asked = int_field(body, "max_completion_tokens", None, 1)
+        asked = int_field(body, "max_tokens", asked, 1)
         if room < 1 or (asked is not None and asked > room):
             raise RequestError(
                 f"this model's maximum context length is {limit} tokens; the prompt has "
@@ -299,13 +360,13 @@ class Gateway:
                 code="context_length_exceeded",
             )
         max_tokens = asked if asked is not None else min(self.default_max_tokens, room)
-        seed = _int(body, "seed", None, 0)
+        seed = int_field(body, "seed", None, 0, MAX_SEED)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_float(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
-                top_k=_int(body, "top_k", 0, 0) or 0,
+                top_k=int_field(body, "top_k", 0, 0) or 0,
                 stop_token_ids=self.renderer.stop_ids,
                 seed=seed,
                 top_logprobs=top_logprobs,
@@ -341,6 +402,9 @@ class Gateway:
         if not self.store.has_session(session_id):
             return
         log = self.store.call_log(session_id)
+        if log.calls:
+            first = log.calls[0].call
+            turns.note_row(first.task_id, first.parent_session_id)
         owners = {}
         for sc in log.calls:
             c = sc.call
@@ -367,6 +431,28 @@ class Gateway:
         with self._lock:
             self._call_owner.update(owners)
 
+    def _check_session_row(
+        self, turns: SessionTurns, session_id: str, task_id: str | None, parent_session: str | None
+    ) -> None:
+        """Refuse, before generating, a call whose task (or parent session) differs from
+        its session's: the ledger binds a session to its first call's (409)."""
+        row = turns.row
+        if row is None:
+            return
+        for label, asked, kept, code in (
+            ("task", task_id, row[0], "task_conflict"),
+            ("parent session", parent_session, row[1], "parent_session_conflict"),
+        ):
+            if asked is not None and kept is not None and asked != kept:
+                raise RequestError(
+                    f"session {shown(session_id)} belongs to {label} {shown(kept)}, not "
+                    f"{shown(asked)}: a session keeps the {label} of its first call; start "
+                    f"a new session for another {label}",
+                    param="task_id" if label == "task" else "parent_session_id",
+                    code=code,
+                    status=409,
+                )
+
     def _parent(self, route: Route, session_id: str) -> tuple[str | None, str | None]:
         pc = route.parent_call_id
         if pc is None:
@@ -377,7 +463,7 @@ class Gateway:
             psid = self.store.session_of_call(pc)  # written before a restart, or elsewhere
         if psid is None or (psid not in self._sessions and pc not in self.store.call_log(psid)):
             raise RequestError(
-                f"parent call {pc!r} is not a call this gateway recorded; name its session "
+                f"parent call {shown(pc)} is not a call this gateway recorded; name its session "
                 "with X-Tidal-Parent-Session if another process wrote it",
                 param="parent_call_id",
                 code="invalid_parent_call_id",
@@ -410,10 +496,13 @@ class Gateway:
             ])
         return out
 
-    def _generate(self, prompt: np.ndarray, params: SamplingParams) -> tuple[Generation, float]:
+    def _generate(self, prompt: np.ndarray, params: SamplingParams,
+                  session_id: str) -> tuple[Generation, float]:
         t0 = time.perf_counter()
         try:
-            gen = self.engine.generate([prompt], params)[0]
+            # the session id lets a pool of servers keep a session on one (its prefix cache)
+            gen = (self.engine.generate([prompt], params, session=session_id)
+                   if self._engine_takes_session else self.engine.generate([prompt], params))[0]
         except EngineError as e:
             raise RequestError(
                 f"the engine refused the request: {e}", param=None, code="engine_error"
@@ -465,7 +554,8 @@ class Gateway:
                 )
         elif tool_choice not in ("none", "auto", "required"):
             raise RequestError(
-                f"tool_choice must be none, auto, required or a function, got {tool_choice!r}",
+                f"tool_choice must be none, auto, required or a function, got "
+                f"{shown(tool_choice)}",
                 param="tool_choice",
             )
         if req.top_logprobs and not req.logprobs:
@@ -484,6 +574,7 @@ class Gateway:
         session_id = self._session_for(route, keys, tool_ids)
         parent_call, parent_session = self._parent(route, session_id)
         turns = self._turns(session_id)
+        self._check_session_row(turns, session_id, route.task_id, parent_session)
         if base is None and text is not None:
             base = turns.seen_prefix(text)
         try:
@@ -492,7 +583,7 @@ class Gateway:
             raise RequestError(str(e), param="messages", code="template_error") from e
         n_prompt = int(plan.prompt_ids.shape[0])
         params = self._sampling(req.sampling, n_prompt, req.top_logprobs, req.stop)
-        gen, engine_s = self._generate(plan.prompt_ids, params)
+        gen, engine_s = self._generate(plan.prompt_ids, params, session_id)
 
         out_ids, logprobs = gen.output_ids, gen.logprobs
         ends_stop = (
@@ -563,6 +654,7 @@ class Gateway:
             metadata=meta,
         )
         self._commit(call, plan.base_hint)
+        turns.note_row(call.task_id, call.parent_session_id)
         turns.note_stored_drift(new_drift)
         turns.add(
             RecordedTurn(
@@ -641,7 +733,10 @@ class Gateway:
             raise RequestError("stop must be a string or a list of strings", param="stop")
         if len(stops) > 4:
             raise RequestError("stop takes at most 4 strings", param="stop")
-        want_logprobs = bool(body.get("logprobs"))
+        want_logprobs = flag(body, "logprobs")
+        for key in ("parallel_tool_calls", "store"):
+            flag(body, key)  # accepted, not enforced (docs/gateway.md), but booleans
+        check_stream_options(body)
         turn = self.call(
             ChatCall(
                 messages=body.get("messages"),
@@ -650,8 +745,8 @@ class Gateway:
                 sampling=body,
                 stop=tuple(s for s in stops if s),
                 logprobs=want_logprobs,
-                top_logprobs=_int(body, "top_logprobs", 0, 0) or 0,
-                want_texts=bool(body.get("stream")),
+                top_logprobs=int_field(body, "top_logprobs", 0, 0) or 0,
+                want_texts=flag(body, "stream"),
             ),
             route,
         )
@@ -684,24 +779,10 @@ class Gateway:
         started = time.time()
         route.validate()
         self.check_model(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
-            ids = np.asarray(
-                self.renderer.tokenizer.encode(prompt, add_special_tokens=False), dtype=np.int32
-            )
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt)
-        ):
-            ids = np.asarray(prompt, dtype=np.int32)
-        else:
-            raise RequestError(
-                "prompt must be a non-empty string or a list of token ids", param="prompt"
-            )
-        if body.get("echo"):
+        ids = self._completion_prompt(body.get("prompt"))
+        flag(body, "stream")
+        check_stream_options(body)
+        if flag(body, "echo"):
             raise RequestError("echo is not supported", param="echo")
         if body.get("stop") not in (None, [], ""):
             raise RequestError(
@@ -709,11 +790,13 @@ class Gateway:
                 "messages, which cut the recorded output after the stop string)",
                 param="stop",
             )
-        lp = _int(body, "logprobs", None, 0)
+        lp = int_field(body, "logprobs", None, 0)
         session_id = route.session_id or f"auto-{uuid.uuid4().hex[:16]}"
         parent_call, parent_session = self._parent(route, session_id)
+        turns = self._turns(session_id)
+        self._check_session_row(turns, session_id, route.task_id, parent_session)
         params = self._sampling(body, int(ids.shape[0]), lp or 0)
-        gen, engine_s = self._generate(ids, params)
+        gen, engine_s = self._generate(ids, params, session_id)
         out_ids = gen.output_ids
         text = self.renderer.decode(out_ids.tolist())
         call_id = f"call-{uuid.uuid4().hex[:20]}"
@@ -736,6 +819,7 @@ class Gateway:
             metadata={"request": {"endpoint": "completions"}},
         )
         self._commit(call, None)
+        turns.note_row(call.task_id, call.parent_session_id)
         with self._lock:
             self._call_owner[call_id] = session_id
         texts = self.token_texts(out_ids)
@@ -773,6 +857,30 @@ class Gateway:
             texts,
             tuple(float(x) for x in gen.logprobs),
         )
+
+    def _completion_prompt(self, prompt: object) -> npt.NDArray[np.int32]:
+        """`/v1/completions`' prompt as ids: a string (tokenized as the raw prompt it is:
+        special-token text becomes those tokens) or a list of ids, each an id of the
+        tokenizer's vocabulary."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return np.asarray(
+                self.renderer.tokenizer.encode(prompt, add_special_tokens=False), dtype=np.int32
+            )
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError(
+                "prompt must be a non-empty string or a list of token ids", param="prompt"
+            )
+        vocab = self.renderer.vocab_size
+        for k, x in enumerate(prompt):
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab:
+                raise RequestError(
+                    f"prompt[{k}] must be a token id in [0, {vocab - 1}] (this tokenizer's "
+                    f"vocabulary), got {shown(x)}",
+                    param=f"prompt[{k}]",
+                )
+        return np.asarray(prompt, dtype=np.int32)
 
     def models(self) -> dict[str, Any]:
         return {

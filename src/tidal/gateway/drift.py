@@ -22,6 +22,10 @@ Kinds (example -> what the trainer sees):
   end of its own call's path.
 - history_rewritten: the messages before a recorded turn changed since it was produced
   -> the recorded tokens after the new history (a fork, not a continuation).
+- special_token_text: client text (a message, a tool result, a tool call rendered from
+  text, the tools) holds a special token's text, e.g. `<|im_start|>` -> that text as
+  plain-text tokens, never the special token (`tidal.gateway.render`); `call_id` null,
+  `message_index` -1 for the tools.
 
 Cosmetic kinds leave the turn the model's: its recorded token ids are spliced into the
 next prompt. `edited` makes the turn the client's.
@@ -53,12 +57,14 @@ DRIFT_KINDS = (
     "missing_tool_call_id",
     "edited",
     "history_rewritten",
+    "special_token_text",
 )
 
 RECORDED = "recorded_tokens"
 CLIENT_PROMPT = "client_text_as_prompt"
 CLIENT_ORDER = "client_order_as_prompt"
 FORK = "recorded_tokens_after_new_history"
+PLAIN_TEXT = "plain_text_tokens"
 _SNIPPET = 2000
 
 
@@ -201,11 +207,11 @@ def classify_json_text(recorded: str, client: str) -> list[str]:
         return []
     try:
         rv = json.loads(recorded)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or not for Python (digits, depth)
         return ["edited"]
     try:
         cv = json.loads(client)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or not for Python (digits, depth)
         try:
             pv = ast.literal_eval(client)
         except (ValueError, SyntaxError, MemoryError, RecursionError):
@@ -228,7 +234,7 @@ def classify_object(recorded: str, client: object) -> list[str]:
     and escapes are the API's, not a change): [] equal, key_order, or edited."""
     try:
         rv = json.loads(recorded)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or not for Python (digits, depth)
         return ["edited"]
     if not strict_equal(rv, client):
         return ["edited"]
@@ -244,7 +250,7 @@ def classify_arguments(recorded: str, client: object) -> list[str]:
         return classify_json_text(recorded, client)
     try:
         rv = json.loads(recorded)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or not for Python (digits, depth)
         return ["arguments_type", "edited"]
     kinds = ["arguments_type"]
     if not strict_equal(rv, client):

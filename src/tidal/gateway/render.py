@@ -20,6 +20,18 @@ Limits per family:
 - A family whose markers are not special tokens (plain-text formats) would need
   boundary-aware tokenization; not built in.
 
+Client text is text (`Renderer.escape`, `Renderer.encode`): a message, tool result, tool
+call or tool schema may hold the text of a special token (an agent that cats a
+tokenizer config sends `<|im_start|>`). Before rendering, every special token's text in
+client strings is replaced by a private-use escape (`\ue000` + one code character; a
+client's own `\ue000` is escaped too), so it can neither open a block nor change a role;
+a block holding escapes is tokenized at the template's own special tokens and, between
+them, with the escapes undone and `split_special_tokens=True`: the client's
+`<|im_start|>` becomes the ids of its characters, never id 151644. Blocks without escapes
+are tokenized exactly as before. This assumes the template renders strings as they are
+or through `tojson` without `ensure_ascii` (Qwen's do); `tidal.gateway.tito` records each
+such message as `special_token_text` drift.
+
 Incremental rendering (`Renderer.extend_blocks`): a session's next request usually only
 appends messages, so its blocks are the previous request's blocks minus the generation
 prompt and the last message block (whose text may depend on what follows it, e.g. an
@@ -41,9 +53,11 @@ per block text; the model's blocks are never tokenized from text at all.
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +69,9 @@ from tidal.gateway.family import ChatFamily, GatewayError
 from tidal.gateway.messages import Message, template_message
 
 SYNTHETIC = -1  # message index of a block no message produced (default system prompt)
+ESC = "\ue000"  # private use: opens the escape of a special token's text in client strings
+_ESC_BASE = 0xE001  # ESC + chr(_ESC_BASE + k): the k-th escaped string (k = 0: ESC itself)
+_UNESCAPE_RE = re.compile(re.escape(ESC) + ".", re.S)
 
 _PROBE_TOOLS: list[dict[str, Any]] = [
     {
@@ -190,6 +207,10 @@ class Renderer:
         self._arrays: OrderedDict[str, npt.NDArray[np.int32]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._init_escapes(tokenizer, family)
+        # ids a client may send (/v1/completions): the tokenizer's, added tokens included
+        self.vocab_size = int(len(tokenizer) if hasattr(tokenizer, "__len__") else
+                              tokenizer.vocab_size)
         self.header_ids = self.encode(family.header("assistant"))
         self.block_end_ids = self.encode(family.block_end)
         self.separator_ids = self.encode(family.separator)
@@ -207,6 +228,63 @@ class Renderer:
         if ok is None:
             ok = _INCREMENTAL_OK[key] = self._probe_incremental()
         self.incremental = ok
+
+    def _init_escapes(self, tokenizer: Any, family: ChatFamily) -> None:
+        """The special tokens' texts (`special_token_ids`) and the family's markers, which
+        client strings may not carry into a render, and their escapes (module docstring)."""
+        self.special_ids = special_token_ids(tokenizer)
+        texts = sorted(
+            {*self.special_ids, family.block_start, family.block_end}, key=lambda t: (-len(t), t)
+        )
+        self.special_texts: tuple[str, ...] = tuple(texts)
+        alts = "|".join(map(re.escape, texts))
+        self._special_re = re.compile(alts)
+        self._escape_re = re.compile(f"{re.escape(ESC)}|{alts}")
+        self._escape_code = {t: ESC + chr(_ESC_BASE + k) for k, t in enumerate((ESC, *texts))}
+        self._unescape_code = {v: k for k, v in self._escape_code.items()}
+        own = sorted(self.special_ids, key=lambda t: (-len(t), t))
+        self._own_split = re.compile("(" + "|".join(map(re.escape, own)) + ")") if own else None
+        # "<|" for Qwen: a cheap first test (a string prefix is what is meant here)
+        self._quick = os.path.commonprefix(texts)  # noqa: RUF071
+
+    def special_texts_in(self, text: str) -> list[str]:
+        """The special tokens' texts (and family markers) that occur in `text`, in order."""
+        if self._quick not in text:
+            return []
+        return self._special_re.findall(text)
+
+    def escape(self, text: str) -> str:
+        """`text` with every special token's text (and `ESC`) escaped (module docstring)."""
+        if self._quick not in text and ESC not in text:
+            return text
+        return self._escape_re.sub(lambda m: self._escape_code[m.group()], text)
+
+    def unescape(self, text: str) -> str:
+        return _UNESCAPE_RE.sub(lambda m: self._unescape_code.get(m.group(), m.group()), text)
+
+    def escape_value(self, value: Any) -> Any:
+        """`escape` applied to every string (keys too) of a JSON-like value."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, Mapping):
+            return {self.escape_value(k): self.escape_value(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.escape_value(v) for v in value]
+        return value
+
+    def _encode_escaped(self, text: str) -> list[int]:
+        """Ids of a block holding escaped client text: the template's own special tokens
+        as their ids, the text between them (escapes undone) as plain text."""
+        pieces = self._own_split.split(text) if self._own_split is not None else [text]
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids.append(self.special_ids[piece])
+            elif piece:
+                ids.extend(self.tokenizer.encode(
+                    self.unescape(piece), add_special_tokens=False, split_special_tokens=True
+                ))
+        return ids
 
     def _probe_incremental(self) -> bool:
         """Does `extend_blocks` give the full render's blocks on the probe conversations?"""
@@ -229,7 +307,11 @@ class Renderer:
             if hit is not None:
                 self._cache.move_to_end(text)
                 return hit
-        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = tuple(
+            self._encode_escaped(text)
+            if ESC in text
+            else self.tokenizer.encode(text, add_special_tokens=False)
+        )
         with self._lock:
             self._cache[text] = ids
             if len(self._cache) > self._cache_size:
@@ -254,8 +336,8 @@ class Renderer:
     def render(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                [template_message(m) for m in messages],
-                tools=tools or None,
+                [self.escape_value(template_message(m)) for m in messages],
+                tools=self.escape_value(tools) if tools else None,
                 tokenize=False,
                 add_generation_prompt=True,
             )
@@ -301,3 +383,18 @@ class Renderer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """Text -> id of the tokenizer's special tokens (those its `encode` turns into one id
+    unless `split_special_tokens`): the added tokens marked special, and the named ones."""
+    out: dict[str, int] = {}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    for i, tok in decoder.items():
+        if getattr(tok, "special", False) and tok.content:
+            out[str(tok.content)] = int(i)
+    for t in getattr(tokenizer, "all_special_tokens", None) or []:
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and t not in out:
+            out[t] = i
+    return out

@@ -48,11 +48,13 @@ from tidal.gateway.core import (
     Route,
     answer,
     chat_message,
+    flag,
+    int_field,
     lp_entries,
     tidal_block,
 )
 from tidal.gateway.drift import RecordedToolCall
-from tidal.gateway.messages import RequestError, flat_tools
+from tidal.gateway.messages import RequestError, check_json_text, flat_tools, shown
 from tidal.gateway.sse import sse, text_pieces
 from tidal.gateway.toolcalls import join_thinking, split_thinking
 
@@ -108,7 +110,7 @@ def _text(value: object, where: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> st
         if not isinstance(part, Mapping) or part.get("type") not in kinds:
             got = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise _err(
-                f"{where}[{k}]: content part {got!r} is not supported (text only: "
+                f"{where}[{k}]: content part {shown(got)} is not supported (text only: "
                 f"{', '.join(kinds)}; the engines are text-only)",
                 f"{where}[{k}]",
             )
@@ -176,13 +178,15 @@ def input_messages(value: object) -> list[dict[str, Any]]:
                 out.append({"role": role, "content": text})
             else:
                 raise _err(
-                    f"{where}.role must be user, system, developer or assistant, got {role!r}",
+                    f"{where}.role must be user, system, developer or assistant, got "
+                    f"{shown(role)}",
                     f"{where}.role",
                 )
         elif kind == "function_call":
             args = item.get("arguments", "{}")
             if not isinstance(args, str):
                 raise _err(f"{where}.arguments must be a JSON string", f"{where}.arguments")
+            check_json_text(args, f"{where}.arguments")
             turn = turn or _Turn()
             turn.calls.append({
                 "id": _field(item, "call_id", where),
@@ -206,7 +210,7 @@ def input_messages(value: object) -> list[dict[str, Any]]:
                 turn.thinking.append(thought)
         else:
             raise _err(
-                f"{where}.type {kind!r} is not supported (supported: message, function_call, "
+                f"{where}.type {shown(kind)} is not supported (supported: message, function_call, "
                 "function_call_output, reasoning)",
                 f"{where}.type",
             )
@@ -289,7 +293,7 @@ class ResponsesAPI:
             h = self._load(rid)
         if h is None:
             raise RequestError(
-                f"previous_response_id {rid!r} is not a response this gateway holds (unknown, "
+                f"previous_response_id {shown(rid)} is not a response this gateway holds (unknown, "
                 "or created with store: false)",
                 param="previous_response_id",
                 code="previous_response_not_found",
@@ -305,7 +309,9 @@ class ResponsesAPI:
         cur: str | None = rid
         while cur is not None:
             if cur in seen:
-                raise RequestError(f"response chain of {rid!r} loops", param="previous_response_id")
+                raise RequestError(
+                    f"response chain of {shown(rid)} loops", param="previous_response_id"
+                )
             seen.add(cur)
             h = self.held(cur)
             chain.append(h)
@@ -329,8 +335,8 @@ class ResponsesAPI:
             h = self.held(prev)
             if route.session_id is not None and route.session_id != h.session_id:
                 raise _err(
-                    f"previous_response_id {prev!r} belongs to session {h.session_id!r}, not "
-                    f"{route.session_id!r}",
+                    f"previous_response_id {shown(prev)} belongs to session {h.session_id!r}, not "
+                    f"{shown(route.session_id)}",
                     "previous_response_id",
                 )
             route = replace(route, session_id=h.session_id)
@@ -342,23 +348,33 @@ class ResponsesAPI:
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + items
         if not messages:
             raise _err("input must not be empty", "input")
-        store = body.get("store", True)
-        if not isinstance(store, bool):
-            raise _err("store must be a boolean", "store")
-        fmt = body["text"].get("format") if isinstance(body.get("text"), Mapping) else None
-        if isinstance(fmt, Mapping) and fmt.get("type", "text") != "text":
+        store = flag(body, "store", True)
+        stream = flag(body, "stream")
+        flag(body, "parallel_tool_calls", True)  # echoed, not enforced
+        meta = body.get("metadata")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise _err(f"metadata must be an object, got {shown(meta)}", "metadata")
+        text_opts = body.get("text")
+        if text_opts is not None and not isinstance(text_opts, Mapping):
+            raise _err(f"text must be an object, got {shown(text_opts)}", "text")
+        fmt = text_opts.get("format") if text_opts is not None else None
+        if fmt is not None and not isinstance(fmt, Mapping):
+            raise _err(f"text.format must be an object, got {shown(fmt)}", "text.format")
+        if fmt is not None and fmt.get("type", "text") != "text":
             raise _err(
-                f"text.format {fmt.get('type')!r} is not supported (text only: no constrained "
+                f"text.format {shown(fmt.get('type'))} is not supported (text only: no constrained "
                 "decoding)",
                 "text.format",
             )
         mot = body.get("max_output_tokens")
         if mot is not None and (isinstance(mot, bool) or not isinstance(mot, int) or mot < 1):
-            raise _err(f"max_output_tokens must be an integer >= 1, got {mot!r}",
+            raise _err(f"max_output_tokens must be an integer >= 1, got {shown(mot)}",
                        "max_output_tokens")
         include = body.get("include") or []
-        want_lp = isinstance(include, list) and LOGPROBS_INCLUDE in include
-        top = body.get("top_logprobs")
+        if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+            raise _err(f"include must be a list of strings, got {shown(include)}", "include")
+        want_lp = LOGPROBS_INCLUDE in include
+        top = int_field(body, "top_logprobs", 0, 0, 20) or 0
         sampling = {
             "max_tokens": body.get("max_output_tokens"),
             **{k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")},
@@ -381,10 +397,10 @@ class ResponsesAPI:
                 tool_choice=chat_tool_choice(body.get("tool_choice")),
                 sampling=sampling,
                 logprobs=want_lp,
-                top_logprobs=top if want_lp and isinstance(top, int) else 0,
+                top_logprobs=top if want_lp else 0,
                 endpoint="responses",
                 metadata={"responses": rid_meta},
-                want_texts=bool(body.get("stream")),
+                want_texts=stream,
             ),
             route,
         )
@@ -438,9 +454,9 @@ class ResponsesAPI:
             "max_output_tokens": req.get("max_output_tokens"),
             "model": self.gateway.engine.model_name,
             "output": items,
-            "parallel_tool_calls": bool(req.get("parallel_tool_calls", True)),
+            "parallel_tool_calls": req.get("parallel_tool_calls") is not False,
             "previous_response_id": prev,
-            "store": bool(req.get("store", True)),
+            "store": req.get("store") is not False,
             "temperature": req.get("temperature", 1.0),
             "top_p": req.get("top_p", 1.0),
             "text": {"format": {"type": "text"}},

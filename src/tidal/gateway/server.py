@@ -15,7 +15,10 @@ Routes (all on 127.0.0.1):
 Responses carry `X-Tidal-Session-Id`, `X-Tidal-Call-Id` and `X-Tidal-Engine-Ms` (the engine
 time of the call, which `bench/gateway.py` subtracts to get the gateway's added latency).
 Errors are OpenAI-style: `{"error": {"message", "type", "param", "code"}}` with the status;
-on `/v1/messages` Anthropic's `{"type": "error", "error": {"type", "message"}}`.
+on `/v1/messages` Anthropic's `{"type": "error", "error": {"type", "message"}}`. A body is
+refused (400, before anything runs) unless it is UTF-8 JSON text, an object, nested at
+most `MAX_DEPTH` levels and free of lone surrogates (`parse_body`): a client's bad input
+is a 4xx, never a 500.
 
 Streaming (`stream: true`) is produced after the call is generated and committed (the
 engine protocol returns whole generations): without tool calls, one chunk per output
@@ -30,16 +33,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import unquote
 
 from tidal.gateway import anthropic, responses
 from tidal.gateway.core import Answer, Gateway, Route
-from tidal.gateway.messages import RequestError
+from tidal.gateway.messages import MAX_DEPTH, RequestError, nested_deeper, shown
 from tidal.gateway.sse import sse, text_pieces
 
 HEADER_SESSION = "x-tidal-session"
@@ -47,6 +51,8 @@ HEADER_PARENT_CALL = "x-tidal-parent-call"
 HEADER_PARENT_SESSION = "x-tidal-parent-session"
 HEADER_TASK = "x-tidal-task"
 HEADER_ROLE = "x-tidal-role"
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON text spells one
 _URL_PARTS = {
     "parent": "parent_call_id",
     "task": "task_id",
@@ -60,8 +66,10 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 def parse_session_path(rest: str) -> tuple[dict[str, str], str]:
-    """`{sid}[/parent/{call}][/task/{t}][/role/{r}]/v1/{endpoint}` -> (fields, endpoint)."""
-    parts = [unquote(p) for p in rest.split("/")]
+    """`{sid}[/parent/{call}][/task/{t}][/role/{r}]/v1/{endpoint}` -> (fields, endpoint).
+    `rest` is ASGI's `path`, already percent-decoded once (so `a%2Fb` cannot smuggle a
+    "/" into an id: it splits here, and ids refuse "/" from every source)."""
+    parts = rest.split("/")
     v1 = 1
     while v1 < len(parts) and parts[v1] != "v1":
         v1 += 2  # skip a (name, value) pair
@@ -80,12 +88,78 @@ def parse_session_path(rest: str) -> tuple[dict[str, str], str]:
     for k, v in zip(rest_parts[::2], rest_parts[1::2], strict=True):
         if k not in _URL_PARTS:
             raise RequestError(
-                f"unknown session path part {k!r} (known: {', '.join(_URL_PARTS)})",
+                f"unknown session path part {shown(k)} (known: {', '.join(_URL_PARTS)})",
                 code="not_found",
                 status=404,
             )
         fields[_URL_PARTS[k]] = v
     return fields, endpoint
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a `RequestError` (400) saying what is wrong:
+    not UTF-8, not JSON (an integer of over 4300 digits included), not an object, nested
+    deeper than `MAX_DEPTH` levels, or a string (or key) holding a lone surrogate
+    (`"\\ud800"`, which no UTF-8 text can carry), named by its field path."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(
+            f"the request body is not UTF-8 text ({e.reason} at byte {e.start})",
+            code="invalid_json",
+        ) from e
+    try:
+        body = json.loads(text)
+    except RecursionError as e:
+        raise RequestError(
+            f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise RequestError(
+            f"could not parse the request body as JSON: {e}", code="invalid_json"
+        ) from e
+    except ValueError as e:  # Python's limit on converting long digit strings to int
+        raise RequestError(
+            "could not parse the request body as JSON: a number in it has more than "
+            f"{sys.get_int_max_str_digits()} digits",
+            code="invalid_json",
+        ) from e
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    if nested_deeper(body):
+        raise RequestError(
+            f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json"
+        )
+    if _SURROGATE_ESCAPE_RE.search(text):  # only an escape can make a lone surrogate
+        where = _lone_surrogate(body, "")
+        if where is not None:
+            raise RequestError(
+                f"{where or 'a key'} holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                "escape): not Unicode text",
+                param=where or None,
+            )
+    return body
+
+
+def _lone_surrogate(value: object, where: str) -> str | None:
+    """The field path of the first string (or key: its object's path) holding a lone
+    surrogate, or None. Only called when the text has a surrogate escape; `parse_body`
+    bounds the depth first."""
+    if isinstance(value, str):
+        return where if _SURROGATE_RE.search(value) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if _SURROGATE_RE.search(k):
+                return where
+            found = _lone_surrogate(v, f"{where}.{k}" if where else k)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def route_from(headers: Mapping[str, str], url_fields: Mapping[str, str]) -> Route:
@@ -206,7 +280,11 @@ Headers = Sequence[tuple[bytes, bytes]]
 
 
 def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    # backslashreplace: a lone surrogate (none gets past `parse_body`) would become a
+    # JSON escape rather than an exception
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "backslashreplace"
+    )
 
 
 async def _read_body(receive: Any) -> bytes | None:
@@ -273,9 +351,11 @@ class GatewayApp:
             }))
             return
         endpoint = path[len("/v1/") :] if path.startswith("/v1/") else ""
+        if not endpoint and "/v1/" in path:  # the API whose error shape a bad path gets
+            endpoint = path.rsplit("/v1/", 1)[1]
         try:
             fields: dict[str, str] = {}
-            if not endpoint:
+            if path.startswith("/sessions/"):
                 fields, endpoint = parse_session_path(path[len("/sessions/") :])
             await self._serve(scope, receive, send, endpoint, fields)
         except RequestError as e:
@@ -320,14 +400,7 @@ class GatewayApp:
         raw = await _read_body(receive)
         if raw is None:
             return
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(
-                f"could not parse the request body as JSON: {e}", code="invalid_json"
-            ) from e
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object", code="invalid_json")
+        body = parse_body(raw)
         headers: dict[str, str] = {}
         for k, v in scope["headers"]:  # the first of repeated headers counts
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
@@ -341,7 +414,7 @@ class GatewayApp:
             (b"x-tidal-engine-ms", b"%.4f" % (ans.engine_s * 1e3)),
             (b"x-tidal-gateway-ms", b"%.4f" % ((ans.total_s - ans.engine_s) * 1e3)),
         ]
-        if not body.get("stream"):
+        if body.get("stream") is not True:  # a boolean: the handler checked it
             await _send(send, 200, _json_bytes(ans.body), extra)
             return
         await send({

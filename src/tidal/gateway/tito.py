@@ -60,6 +60,7 @@ import numpy.typing as npt
 
 from tidal.gateway.drift import (
     FORK,
+    PLAIN_TEXT,
     DriftRecord,
     RecordedToolCall,
     check_tool_results,
@@ -86,16 +87,23 @@ class RecordedTurn:
 
 
 def _canon_args(args: object) -> str:
-    if isinstance(args, str):
-        text = args
+    """Arguments in one canonical JSON form; text nested too deeply to parse (a model
+    may write it; clients' is refused at parse time) stays as it is."""
+    text = args if isinstance(args, str) else None
+    if text is not None:
         try:
             args = json.loads(text)
-        except json.JSONDecodeError:
+        except RecursionError:
+            return text
+        except ValueError:  # not JSON (or a number Python will not convert)
             try:
                 args = ast.literal_eval(text)
             except (ValueError, SyntaxError, MemoryError, RecursionError):
                 return text
-    return json.dumps(args, sort_keys=True, ensure_ascii=False, default=repr)
+    try:
+        return json.dumps(args, sort_keys=True, ensure_ascii=False, default=repr)
+    except RecursionError:
+        return text if text is not None else repr(args)
 
 
 def turn_key(content: str | None, calls: Sequence[tuple[str, object]]) -> str:
@@ -119,6 +127,15 @@ class SessionTurns:
         self._stored_drift: set[tuple[Any, ...]] = set()  # drift_key of stored records
         self._load_lock = threading.Lock()
         self._loaded = False
+        # (task_id, parent_session_id) of the session's first call, as the ledger's
+        # sessions row keeps them; None while the session has no call
+        self.row: tuple[str | None, str | None] | None = None
+
+    def note_row(self, task_id: str | None, parent_session_id: str | None) -> None:
+        """The session's first call is stored (or read back): its ids bind the session."""
+        with self._lock:
+            if self.row is None:
+                self.row = (task_id, parent_session_id)
 
     def load_once(self, load: Callable[[SessionTurns], None]) -> None:
         """Run `load(self)` once, before any use of the turns (a restarted gateway
@@ -275,6 +292,7 @@ class Seen:
     n_spliced: tuple[int, ...]  # spliced turns before each block
     prompt_ids: npt.NDArray[np.int32]
     spliced: tuple[Spliced, ...]
+    specials: tuple[DriftRecord, ...] = ()  # `special_text_drift` of the messages
 
 
 def _args_are_text(messages: Sequence[Message]) -> bool:
@@ -395,6 +413,10 @@ def assemble_prompt(
     # Matched turns are replaced by recorded tokens: render a placeholder in their place, so
     # that whatever the client did to their text cannot disturb the block structure.
     to_render = [_PLACEHOLDER if i in matches else m for i, m in enumerate(messages)]
+    if use is not None and start == n0:  # the kept prefix's matches, hence its placeholders
+        specials = [*use.specials, *special_text_drift(to_render, None, renderer, start=n0)]
+    else:
+        specials = special_text_drift(to_render, tools, renderer)
     blocks: list[Block] | None = None
     keep = 0
     if use is not None and (
@@ -409,7 +431,7 @@ def assemble_prompt(
         blocks,
         matches,
         renderer,
-        drift=drift,
+        drift=[*drift, *specials],
         foreign=foreign,
         final_fp=h.digest(),
         resume=use if keep else None,
@@ -428,16 +450,59 @@ def assemble_prompt(
                 matches,
                 frozenset(loose),
                 frozenset(tool_ids),
-                plan.drift,
+                tuple(drift),
                 foreign,
                 tuple(blocks),
                 offsets,
                 n_spliced,
                 plan.prompt_ids,
                 plan.spliced,
+                tuple(specials),
             )
         )
     return plan
+
+
+def special_text_drift(
+    messages: Sequence[Message],
+    tools: list[dict[str, Any]] | None,
+    renderer: Renderer,
+    *,
+    start: int = 0,
+) -> list[DriftRecord]:
+    """A `special_token_text` record for the tools and for each message from `start` on
+    rendered from client text (the placeholders of matched turns are not), when their text
+    holds a special token's text: it is tokenized as plain text (`tidal.gateway.render`)."""
+    found = renderer.special_texts_in
+    out = []
+    if tools:
+        texts = found(json.dumps(tools, ensure_ascii=False))
+        if texts:
+            out.append(_special_record(-1, [("tools", texts)]))
+    for i in range(start, len(messages)):
+        m = messages[i]
+        if m is _PLACEHOLDER:
+            continue
+        fields = [("content", m.content or "")]
+        for k, c in enumerate(m.tool_calls):
+            args = c.arguments if isinstance(c.arguments, str) else json.dumps(
+                c.arguments, ensure_ascii=False
+            )
+            fields += [(f"tool_calls[{k}].function.name", c.name),
+                       (f"tool_calls[{k}].function.arguments", args)]
+        hits = [(where, found(text)) for where, text in fields]
+        if any(texts for _, texts in hits):
+            out.append(_special_record(i, hits))
+    return out
+
+
+def _special_record(index: int, hits: Sequence[tuple[str, list[str]]]) -> DriftRecord:
+    texts = list(dict.fromkeys(t for _, ts in hits for t in ts))
+    where = ", ".join(w for w, ts in hits if ts)
+    return DriftRecord(
+        "special_token_text", index, None, " ".join(texts), "", PLAIN_TEXT,
+        f"special-token text in {where}, tokenized as plain text",
+    )
 
 
 def _splice(

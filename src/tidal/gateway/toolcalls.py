@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tidal.gateway.messages import json_text_problem
 from tidal.gateway.toolparsers import BUILTIN, Span, ToolCallText, ToolSet
 
 __all__ = [
@@ -150,10 +151,21 @@ def parse_output(
     spans: list[Span] = []
     reasons: list[str] = []
     for p in parsers:
-        found, why = p.find(text, tools, lenient)
+        try:
+            found, why = p.find(text, tools, lenient)
+        except (ValueError, RecursionError):  # json: too deep, or a number too long
+            reasons.append(f"{p.name}: a JSON value in the text is nested too deeply or has "
+                           "a number too long for Python to read")
+            continue
         reasons.extend(f"{p.name}: {w}" for w in why)
         for s in found:
-            if not any(o.start < s.end and s.start < o.end for o in spans):
+            # arguments a client could not send back (`json_text_problem`) stay text
+            problem = next(
+                (q for c in s.calls if (q := json_text_problem(c.arguments)) is not None), None
+            )
+            if problem is not None:
+                reasons.append(f"{p.name}: the arguments {problem}")
+            elif not any(o.start < s.end and s.start < o.end for o in spans):
                 spans.append(s)
     if not spans:
         hint = looks_like_tool_call(text, tools)

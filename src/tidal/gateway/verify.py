@@ -17,7 +17,8 @@ Definitions (all counted over output tokens, i.e. tokens the engine sampled):
   turn the client edited) is verbatim: it is trained as the end of its own path.
 - `model_tokens_verbatim`: the output tokens of verbatim calls.
 - `drift`: counts by kind of the drift events the gateway stored in call metadata (a
-  record repeated by later calls of the session counts once).
+  record repeated by later calls of the session counts once), `special_token_text`
+  included: client text holding a special token's text, tokenized as plain text.
 - `ok`: every model token is verbatim and the store's own integrity check passes.
 
 How: the audit never materialises a prompt. Each session's calls go into the exact

@@ -39,6 +39,11 @@ What it simplifies:
   (a pipelined request waits for the one before it); hop-by-hop headers are dropped;
   no request size limit (the workers' uvicorn has none either).
 - Every response from a worker carries `x-tidal-worker: <index>`.
+
+Both ways, `tidal serve` checks every option (`GatewaySpec.check`: the store, the device,
+the numbers, the model) and binds its port (`listen`) before it loads a model, creates the
+store or starts a worker, and prints its URL (with the port really bound: `--port 0`
+takes any free one) only once it serves.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -134,9 +140,18 @@ class GatewaySpec:
     tool_parser_strict: bool = False
 
     def check(self) -> Path:
-        """The model directory, once every option is known to be usable (SpecError if not)."""
+        """The model directory, once every option is known to be usable (SpecError if not).
+        The cheap checks come first; nothing is created or loaded."""
         from tidal.engine.tiny import resolve_model
 
+        if self.max_tokens < 1:
+            raise SpecError(f"must be at least 1, got {self.max_tokens}", "--max-tokens")
+        if not (math.isfinite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0):
+            raise SpecError(f"must be a finite number of MiB >= 0 (0: off), got "
+                            f"{self.prefix_cache_mb}", "--prefix-cache-mb")
+        check_store(self.store)
+        if self.engine == "embedded":
+            check_device(self.device)
         try:
             model_dir = resolve_model(self.model)
         except Exception as e:
@@ -153,6 +168,74 @@ class GatewaySpec:
             except ValueError as e:
                 raise SpecError(str(e), "--tool-parser") from e
         return model_dir
+
+
+def check_store(path: Path) -> None:
+    """`--store` is a tidal ledger store this process can write, or a new one it can
+    create (SpecError if not); an existing store is only opened read-only here."""
+    from tidal.ledger.store import LedgerStore
+    from tidal.ledger.types import LedgerError
+
+    try:
+        if path.is_dir():
+            raise SpecError(f"{path} is a directory, not a ledger store", "--store")
+        if not path.exists():
+            base = next(p for p in path.parents if p.exists())
+            if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+                raise SpecError(f"cannot create {path}: {base} is not a writable directory",
+                                "--store")
+            return
+        if not os.access(path, os.R_OK | os.W_OK) or not os.access(path.parent, os.W_OK):
+            raise SpecError(f"{path} is not writable (the gateway records into it)", "--store")
+        if path.stat().st_size == 0:
+            return  # an empty file: SQLite's empty database
+    except OSError as e:
+        raise SpecError(f"{path}: {e.strerror}", "--store") from None
+    try:
+        LedgerStore(path, readonly=True).close()
+    except LedgerError as e:
+        raise SpecError(str(e), "--store") from None
+
+
+def check_device(device: str) -> None:
+    """`--device` names a device torch has here: cpu, cuda, cuda:N or mps (SpecError)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SpecError(f"{device!r} is not a device: expected cpu, cuda, cuda:N or mps",
+                        "--device") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecError(f"{device!r}: CUDA is not available here (torch "
+                            f"{torch.__version__}); use --device cpu", "--device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SpecError(f"{device!r}: there are {torch.cuda.device_count()} CUDA devices",
+                            "--device")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise SpecError(f"{device!r}: MPS is not available here; use --device cpu",
+                            "--device")
+    elif dev.type != "cpu":
+        raise SpecError(f"{device!r}: expected cpu, cuda, cuda:N or mps", "--device")
+
+
+def listen(port: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:`port` (0: any free port), or SpecError: bound
+    before anything is loaded, so a port in use fails at once."""
+    if not 0 <= port <= 65535:
+        raise SpecError(f"{port} is not a TCP port: expected 1..65535, or 0 for any free "
+                        "port", "--port")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise SpecError(f"cannot listen on 127.0.0.1:{port}: {e.strerror}", "--port") from None
+    return sock
 
 
 def build_gateway(spec: GatewaySpec) -> Gateway:
@@ -636,8 +719,9 @@ _HEALTH_REQUEST = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0
 class Router:
     """N gateway worker processes on one store, behind one listening port (module doc).
 
-    `await start(port)` starts the workers, waits until every one answers `/health`,
-    then listens and returns the port; `await close()` stops listening and stops them."""
+    `await start(listener)` starts the workers, waits until every one answers `/health`,
+    then serves on `listener` (a listening socket, `listen`) and returns its port;
+    `await close()` stops serving and stops them."""
 
     def __init__(
         self,
@@ -737,7 +821,7 @@ class Router:
             return
 
     # ---------------------------------------------------------------- serving
-    async def start(self, port: int) -> int:
+    async def start(self, listener: socket.socket) -> int:
         from tidal.ledger.store import LedgerStore
 
         LedgerStore(self.spec.store).close()  # create the schema once, before N writers
@@ -749,7 +833,7 @@ class Router:
             await self.close()
             raise errors[0] if isinstance(errors[0], RouterError) else RouterError(str(errors[0]))
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Client(self), "127.0.0.1", port, reuse_address=True, backlog=2048
+            lambda: _Client(self), sock=listener, backlog=2048
         )
         return int(self._server.sockets[0].getsockname()[1])
 
@@ -908,11 +992,15 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def run_router(
-    spec: GatewaySpec, port: int, n_workers: int, *, announce: Callable[[int], None]
+    spec: GatewaySpec,
+    listener: socket.socket,
+    n_workers: int,
+    *,
+    announce: Callable[[int], None],
 ) -> None:
-    """Start `n_workers` workers and the router on `port` (127.0.0.1); `announce(port)`
-    once all are healthy and it listens; serve until SIGINT/SIGTERM, then stop them.
-    Raises RouterError when a worker does not start."""
+    """Start `n_workers` workers and the router on `listener` (`listen(port)`);
+    `announce(port)` once all are healthy and it serves; serve until SIGINT/SIGTERM, then
+    stop them. Raises RouterError when a worker does not start."""
 
     async def main() -> None:
         import gc
@@ -927,7 +1015,7 @@ def run_router(
                 f"router error: {ctx.get('message')}: {ctx.get('exception')!r}"
             )
         )
-        starting = asyncio.ensure_future(router.start(port))
+        starting = asyncio.ensure_future(router.start(listener))
         stopped = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
@@ -20,7 +20,7 @@ ledger_app = typer.Typer(
 StoreArg = Annotated[Path, typer.Argument(help="Path of the ledger store (a SQLite file).")]
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
 
@@ -35,12 +35,23 @@ def _open(path: Path, *, readonly: bool = True) -> LedgerStore:
         raise typer.Exit(2) from e
 
 
+def orphan_notes(store: LedgerStore) -> list[str]:
+    """One line per outcome whose session has no calls (readers skip them)."""
+    return [
+        f"note: outcome of session {sid!r} (seq {seq}, {status}) has no calls; readers "
+        "skip it" for seq, sid, status in store.orphan_outcomes()
+    ]
+
+
 @ledger_app.command("check")
 def check_cmd(store: StoreArg) -> None:
     """Re-verify every record's hash, the hash chain and every prefix reference."""
     with _open(store) as s:
         problems = s.check()
         n = s.count_calls()
+        notes = orphan_notes(s)
+    for note in notes:
+        typer.echo(note, err=True)
     if problems:
         for p in problems:
             typer.echo(f"CORRUPT {p}", err=True)
@@ -49,20 +60,46 @@ def check_cmd(store: StoreArg) -> None:
     typer.echo(f"ok: {n} calls verified in {store}")
 
 
+def _remove_new_store(path: Path, created_dirs: list[Path]) -> None:
+    """Undo the creation of a store that a refused import made: its files, then the
+    directories made for it (only while empty)."""
+    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        p.unlink(missing_ok=True)
+    for d in created_dirs:  # deepest first
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
 @ledger_app.command("import")
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="A JSON Lines file (docs/ledger.md).")],
     store: Annotated[Path, typer.Option("--store", help="Store to append to (created if new).")],
 ) -> None:
     """Import a JSONL file: all of it, or nothing if any line is bad."""
-    from tidal.ledger.interchange import import_jsonl
+    import sqlite3
 
-    with _open(store, readonly=False) as s:
-        try:
-            rep = import_jsonl(file, s)
-        except LedgerError as e:
-            _fail(str(e))
-            return
+    from tidal.ledger.interchange import import_records, parse_jsonl
+
+    try:
+        records = parse_jsonl(file)  # before the store exists: a bad file creates nothing
+    except LedgerError as e:
+        _fail(str(e))
+    new = not store.exists()
+    created = [d for d in store.absolute().parents if not d.exists()]
+    s = _open(store, readonly=False)
+    try:
+        rep = import_records(records, s)
+    except (LedgerError, sqlite3.Error) as e:
+        empty = s.count_calls() == 0 and not s.outcomes()
+        s.close()
+        if new and empty:
+            _remove_new_store(store, created)
+        msg = str(e) if isinstance(e, LedgerError) else f"{file}: {e} (nothing was imported)"
+        _fail(msg)
+    finally:
+        s.close()
     typer.echo(f"imported {rep.calls} calls and {rep.outcomes} outcomes into {store}")
 
 
@@ -74,17 +111,38 @@ def export_cmd(
         Path | None, typer.Option("--parquet", help="Write calls/outcomes Parquet files here.")
     ] = None,
 ) -> None:
-    """Export the store as JSON Lines and/or Parquet."""
-    from tidal.ledger.interchange import export_jsonl, export_parquet
+    """Export the store as JSON Lines and/or Parquet (refused if `check` finds it corrupt)."""
+    from tidal.ledger.interchange import export_jsonl, export_parquet, writable_target
 
     if jsonl is None and parquet is None:
         _fail("give --jsonl FILE and/or --parquet DIR")
-    with _open(store) as s:
+    try:
         if jsonl is not None:
-            typer.echo(f"wrote {export_jsonl(s, jsonl)} records to {jsonl}")
+            writable_target(jsonl)
         if parquet is not None:
-            counts = export_parquet(s, parquet)
-            typer.echo(f"wrote {counts['calls']} calls, {counts['outcomes']} outcomes to {parquet}")
+            writable_target(parquet, directory=True)
+    except LedgerError as e:
+        _fail(str(e))
+    with _open(store) as s:
+        problems = s.check()
+        if problems:
+            for p in problems[:5]:
+                typer.echo(f"CORRUPT {p}", err=True)
+            typer.echo(
+                f"error: {store} is corrupt ({len(problems)} problem(s)); nothing was "
+                f"exported (`tidal ledger check {store}` lists them all)", err=True,
+            )
+            raise typer.Exit(1)
+        try:
+            if jsonl is not None:
+                typer.echo(f"wrote {export_jsonl(s, jsonl)} records to {jsonl}")
+            if parquet is not None:
+                counts = export_parquet(s, parquet)
+                typer.echo(
+                    f"wrote {counts['calls']} calls, {counts['outcomes']} outcomes to {parquet}"
+                )
+        except LedgerError as e:
+            _fail(str(e))
 
 
 @ledger_app.command("stats")

@@ -19,12 +19,16 @@ What it does, and what it deliberately keeps simple:
 - Many writers (threads or processes) may append at once: each append is one
   `BEGIN IMMEDIATE` transaction with a busy timeout. WAL with synchronous=NORMAL
   survives a killed process with every committed record intact.
+- Readers open the file with `mode=ro`; where SQLite cannot create the WAL index beside
+  it (a read-only directory or mount), with `immutable=1`, exact while no `-wal` file
+  holds records (otherwise the error says what reading needs).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -102,7 +106,9 @@ CREATE TRIGGER IF NOT EXISTS sessions_no_update BEFORE UPDATE ON sessions
 """
 
 _GENESIS = "0" * 64
-
+# What `mode=ro` reports when it cannot create the WAL index beside a store: a read-only
+# directory (READONLY_DIRECTORY), a read-only mount (CANTOPEN).
+_NO_WAL_INDEX = ("SQLITE_READONLY_DIRECTORY", "SQLITE_CANTOPEN")
 
 _CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
@@ -303,41 +309,108 @@ class LedgerStore:
 
     def __init__(self, path: str | Path, *, readonly: bool = False) -> None:
         self.path = Path(path)
-        if readonly and not self.path.exists():
-            raise LedgerError(f"no ledger store at {self.path}")
-        if not readonly:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
-        try:
-            self._db = sqlite3.connect(
-                uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False
+        if self.path.is_dir():
+            raise LedgerError(
+                f"{self.path} is a directory, not a ledger store (a store is one SQLite file, "
+                f"e.g. {self.path / 'ledger.db'})"
             )
-            self._db.execute("PRAGMA busy_timeout = 60000")
-            if not readonly:
-                self._db.execute("PRAGMA journal_mode = WAL")
-                self._db.execute("PRAGMA synchronous = NORMAL")
-                self._db.executescript(_SCHEMA)
-                self._init_meta()
-            self._check_schema()
-        except sqlite3.DatabaseError as e:
-            raise LedgerError(f"{self.path} is not a readable tidal ledger store: {e}") from e
+        self._db = self._open_readonly() if readonly else self._open_writable()
         self._lock = threading.RLock()
         self._sessions: OrderedDict[str, _SessionState] = OrderedDict()
 
-    # ---------------------------------------------------------------- housekeeping
-    def _init_meta(self) -> None:
-        self._db.execute(
-            "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
-            (str(SCHEMA_VERSION),),
+    def _connect(self, query: str) -> sqlite3.Connection:
+        uri = f"{self.path.absolute().as_uri()}?{query}"
+        db = sqlite3.connect(
+            uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False
         )
+        db.execute("PRAGMA busy_timeout = 60000")
+        return db
 
-    def _check_schema(self) -> None:
-        row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is None or int(row[0]) != SCHEMA_VERSION:
+    def _open_readonly(self) -> sqlite3.Connection:
+        """`mode=ro`; where SQLite cannot create the WAL index (`-shm`) beside the store (a
+        read-only directory or mount), `immutable=1`, which is exact only while no `-wal`
+        file holds records: then the message says what reading needs."""
+        if not self.path.exists():
+            raise LedgerError(f"no ledger store at {self.path}")
+        try:
+            return self._checked(self._connect("mode=ro"))
+        except sqlite3.DatabaseError as e:
+            if getattr(e, "sqlite_errorname", "") not in _NO_WAL_INDEX:
+                raise self._unreadable(e) from e
+        wal = Path(f"{self.path}-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            raise LedgerError(
+                f"cannot read {self.path}: its write-ahead log {wal.name} holds records, and "
+                f"reading them needs {self.path.name}-shm, which cannot be created in "
+                f"{self.path.parent.absolute()}; give write access to that directory, or copy "
+                f"{self.path.name} with {wal.name} to a writable one"
+            )
+        try:
+            return self._checked(self._connect("mode=ro&immutable=1"))
+        except sqlite3.DatabaseError as e:
+            raise self._unreadable(e) from e
+
+    def _open_writable(self) -> sqlite3.Connection:
+        parent = self.path.parent
+        new = not self.path.exists()
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            blocker = next((p for p in (parent, *parent.parents) if p.exists()), parent)
+            why = f"{blocker} is a file" if not blocker.is_dir() else e.strerror
+            raise LedgerError(
+                f"cannot create store {self.path}: cannot create its directory {parent} "
+                f"({why})"
+            ) from e
+        if new and not os.access(parent, os.W_OK):
+            raise LedgerError(
+                f"cannot create store {self.path}: directory {parent.absolute()} is not writable"
+            )
+        db: sqlite3.Connection | None = None
+        try:
+            db = self._connect("mode=rwc")
+            if not new and db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone():
+                self._checked(db)  # a foreign or newer database is refused untouched
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.executescript(_SCHEMA)
+            db.execute(
+                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+            return self._checked(db)
+        except BaseException as e:
+            if db is not None:
+                db.close()
+            if not isinstance(e, sqlite3.DatabaseError):
+                raise
+            readonly = getattr(e, "sqlite_errorname", "").startswith("SQLITE_READONLY")
+            if readonly or not (os.access(self.path, os.W_OK) and os.access(parent, os.W_OK)):
+                raise LedgerError(
+                    f"cannot write to {self.path}: {e}; appending needs write access to the "
+                    f"file and to its directory {parent.absolute()} (SQLite keeps "
+                    f"{self.path.name}-wal and -shm there)"
+                ) from e
+            raise self._unreadable(e) from e
+
+    def _unreadable(self, e: sqlite3.DatabaseError) -> LedgerError:
+        return LedgerError(f"{self.path} is not a readable tidal ledger store: {e}")
+
+    def _checked(self, db: sqlite3.Connection) -> sqlite3.Connection:
+        """`db` once it holds the schema version this code reads (closed otherwise)."""
+        try:
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except BaseException:
+            db.close()
+            raise
+        if row is None or row[0] != str(SCHEMA_VERSION):
+            db.close()
             raise LedgerError(
                 f"{self.path}: unsupported ledger schema version {row[0] if row else None}"
             )
+        return db
 
+    # ---------------------------------------------------------------- housekeeping
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -678,6 +751,24 @@ class LedgerStore:
             rows = self._db.execute("SELECT body FROM outcomes ORDER BY seq").fetchall()
         out = [_outcome_from_body(r[0]) for r in rows]
         return {o.session_id: o for o in out}
+
+    def orphan_outcomes(self) -> list[tuple[int, str, str]]:
+        """`(seq, session_id, status)` of each outcome whose session has no calls, in
+        commit order. A run records one (`infra_error`) when an episode's sandbox fails
+        before its first call; readers of sessions skip them."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT o.seq, o.session_id, o.body FROM outcomes o WHERE NOT EXISTS"
+                " (SELECT 1 FROM calls c WHERE c.session_id = o.session_id) ORDER BY o.seq"
+            ).fetchall()
+        out = []
+        for seq, sid, body in rows:
+            try:
+                status = str(json.loads(body).get("status"))
+            except (ValueError, AttributeError):
+                status = "?"  # an unreadable body: `check` names it
+            out.append((int(seq), str(sid), status))
+        return out
 
     def count_calls(self) -> int:
         with self._lock:

@@ -29,6 +29,8 @@ LogprobArray = npt.NDArray[np.float32]
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}$")
 ROLE_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 MAX_TOKEN_ID = 2**31 - 1
+MAX_INT = 2**63 - 1  # policy_version: what SQLite, Parquet (int64) and numpy hold
+MAX_DEPTH = 128  # nesting levels of a free-form object (metadata, tool_calls, ...)
 
 
 class LedgerError(ValueError):
@@ -153,15 +155,24 @@ class Outcome:
 # --------------------------------------------------------------------------- validation
 
 
+def short_repr(value: object, limit: int = 60) -> str:
+    """`repr(value)` cut to `limit` characters: a 10^30 id or a 10k-character string is
+    named, not echoed whole."""
+    if isinstance(value, int) and abs(value) >= 10**limit:  # repr may refuse > 4300 digits
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _where(session_id: object, call_id: object) -> str:
-    return f"call {call_id!r} of session {session_id!r}"
+    return f"call {short_repr(call_id, 140)} of session {short_repr(session_id, 140)}"
 
 
 def check_id(value: object, name: str, where: str) -> str:
     if not isinstance(value, str) or not ID_PATTERN.match(value):
         raise LedgerError(
             f"{where}: {name} must be a string of 1-128 characters from [A-Za-z0-9._:@/+-] "
-            f"starting with a letter or digit, got {value!r}"
+            f"starting with a letter or digit, got {short_repr(value)}"
         )
     return value
 
@@ -182,9 +193,16 @@ def as_ids(value: object, name: str, where: str) -> IdArray:
         for i, tok in enumerate(value):
             if isinstance(tok, bool) or not isinstance(tok, int | np.integer):
                 raise LedgerError(
-                    f"{where}: {name}[{i}] must be an integer token id, got {tok!r}"
+                    f"{where}: {name}[{i}] must be an integer token id, got {short_repr(tok)}"
                 )
-        arr = np.asarray(value, dtype=np.int64) if len(value) else np.zeros(0, np.int64)
+        try:
+            arr = np.asarray(value, dtype=np.int64) if len(value) else np.zeros(0, np.int64)
+        except OverflowError:  # beyond int64: name the first token out of range
+            i = next(i for i, t in enumerate(value) if not 0 <= int(t) <= MAX_TOKEN_ID)
+            raise LedgerError(
+                f"{where}: {name}[{i}] = {short_repr(value[i])} is not a token id "
+                f"(0 <= id <= {MAX_TOKEN_ID})"
+            ) from None
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0:
@@ -210,8 +228,16 @@ def as_logprobs(value: object, n: int, where: str) -> LogprobArray:
             )
         for i, lp in enumerate(value):
             if isinstance(lp, bool) or not isinstance(lp, int | float | np.floating):
-                raise LedgerError(f"{where}: {name}[{i}] must be a number, got {lp!r}")
-        arr = np.asarray(value, dtype=np.float32) if len(value) else np.zeros(0, np.float32)
+                raise LedgerError(f"{where}: {name}[{i}] must be a number, got {short_repr(lp)}")
+        try:
+            with np.errstate(over="ignore"):  # 1e300 becomes inf, refused below
+                arr = np.asarray(value, np.float32) if len(value) else np.zeros(0, np.float32)
+        except OverflowError:  # an int beyond float range
+            i = next(i for i, lp in enumerate(value) if _finite(lp) is None)
+            raise LedgerError(
+                f"{where}: {name}[{i}] = {short_repr(value[i])} is not a log-probability "
+                "(finite, <= 0)"
+            ) from None
     if arr.shape[0] != n:
         raise LedgerError(
             f"{where}: {name} has {arr.shape[0]} entries but output_ids has {n} tokens; "
@@ -227,15 +253,91 @@ def as_logprobs(value: object, n: int, where: str) -> LogprobArray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def _finite(value: object) -> float | None:
+    """`value` as a finite float, or None when it is not a finite number (bools, NaN,
+    infinities and ints beyond float range included)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _check_time(value: object, name: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise LedgerError(f"{where}: {name} must be a finite number (unix seconds), got {value!r}")
-    return float(value)
+    t = _finite(value)
+    if t is None:
+        raise LedgerError(
+            f"{where}: {name} must be a finite number (unix seconds), got {short_repr(value)}"
+        )
+    return t
+
+
+def check_text(value: str, name: str, where: str) -> str:
+    """Refuse a string that is not UTF-8 text (a lone surrogate such as "\\ud800", which
+    JSON escapes allow but no stored text may hold)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise LedgerError(
+            f"{where}: {name} holds a lone surrogate ({value[e.start]!r} at character "
+            f"{e.start}), which is not UTF-8 text"
+        ) from None
+    return value
+
+
+def _is_text(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_free_form(value: object, name: str, where: str) -> None:
+    """Walk a free-form JSON value (metadata, sampling, tool_calls, details): every
+    string (keys too) must be UTF-8 text and nesting at most `MAX_DEPTH` levels deep,
+    so that what is stored can be encoded, hashed and read back. One pass without
+    bookkeeping (the gateway's path); the bad value's place is found only on refusal."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if not _is_text(v):
+                _refuse_text(value, name, where)
+        elif isinstance(v, Mapping | list | tuple):
+            if depth > MAX_DEPTH:
+                raise LedgerError(f"{where}: {name} is nested more than {MAX_DEPTH} levels deep")
+            if isinstance(v, Mapping):
+                for k, item in v.items():
+                    if isinstance(k, str) and not _is_text(k):
+                        _refuse_text(value, name, where)
+                    stack.append((item, depth + 1))
+            else:
+                stack.extend((item, depth + 1) for item in v)
+
+
+def _refuse_text(value: object, at: str, where: str) -> None:
+    """Raise naming the first string (or key) in `value` that is not UTF-8 text."""
+    if isinstance(value, str):
+        check_text(value, at, where)
+    elif isinstance(value, Mapping):
+        for k, item in value.items():
+            if isinstance(k, str):
+                check_text(k, f"a key of {at}", where)
+            _refuse_text(item, f"{at}[{short_repr(k, 40)}]", where)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _refuse_text(item, f"{at}[{i}]", where)
 
 
 def _check_json_obj(value: object, name: str, where: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise LedgerError(f"{where}: {name} must be an object, got {type(value).__name__}")
+    check_free_form(value, name, where)
     return dict(value)
 
 
@@ -259,30 +361,44 @@ def make_call(data: Mapping[str, Any]) -> Call:
     cid = check_id(cid, "call_id", where)
     role = data["role"]
     if not isinstance(role, str) or not ROLE_PATTERN.match(role):
-        raise LedgerError(f"{where}: role must be a lowercase name like 'main', got {role!r}")
+        raise LedgerError(
+            f"{where}: role must be a lowercase name like 'main', got {short_repr(role)}"
+        )
     prompt_ids = as_ids(data["prompt_ids"], "prompt_ids", where)
     output_ids = as_ids(data["output_ids"], "output_ids", where)
     logprobs = as_logprobs(data["output_logprobs"], int(output_ids.shape[0]), where)
     text = data["output_text"]
     if not isinstance(text, str):
         raise LedgerError(f"{where}: output_text must be a string, got {type(text).__name__}")
+    check_text(text, "output_text", where)
     pv = data["policy_version"]
-    if isinstance(pv, bool) or not isinstance(pv, int) or pv < 0:
-        raise LedgerError(f"{where}: policy_version must be a non-negative integer, got {pv!r}")
+    if isinstance(pv, bool) or not isinstance(pv, int) or not 0 <= pv <= MAX_INT:
+        raise LedgerError(
+            f"{where}: policy_version must be a non-negative integer below 2^63, "
+            f"got {short_repr(pv)}"
+        )
     fr = data["finish_reason"]
     if not isinstance(fr, str) or not fr:
-        raise LedgerError(f"{where}: finish_reason must be a non-empty string, got {fr!r}")
+        raise LedgerError(
+            f"{where}: finish_reason must be a non-empty string, got {short_repr(fr)}"
+        )
+    check_text(fr, "finish_reason", where)
     started = _check_time(data["started_at"], "started_at", where)
     ended = _check_time(data["ended_at"], "ended_at", where)
     if ended < started:
         raise LedgerError(f"{where}: ended_at ({ended}) is before started_at ({started})")
     raw = data.get("raw_tool_calls")
-    if raw is not None and not isinstance(raw, str):
-        raise LedgerError(f"{where}: raw_tool_calls must be a string or null, got {raw!r}")
+    if raw is not None:
+        if not isinstance(raw, str):
+            raise LedgerError(
+                f"{where}: raw_tool_calls must be a string or null, got {short_repr(raw)}"
+            )
+        check_text(raw, "raw_tool_calls", where)
     tool_calls = data.get("tool_calls")
     if tool_calls is not None:
         if not isinstance(tool_calls, list) or not all(isinstance(t, Mapping) for t in tool_calls):
             raise LedgerError(f"{where}: tool_calls must be a list of objects or null")
+        check_free_form(tool_calls, "tool_calls", where)
         tool_calls = [dict(t) for t in tool_calls]
     pcid, psid = data.get("parent_call_id"), data.get("parent_session_id")
     if pcid is not None:
@@ -331,7 +447,7 @@ def make_outcome(data: Mapping[str, Any]) -> Outcome:
     if not isinstance(data, Mapping):
         raise LedgerError(f"an outcome must be a JSON object, got {type(data).__name__}")
     sid = data.get("session_id")
-    where = f"outcome of session {sid!r}"
+    where = f"outcome of session {short_repr(sid)}"
     for k in ("session_id", "status", "reward"):
         if k not in data:
             raise LedgerError(f"{where}: missing required field {k}")
@@ -341,25 +457,26 @@ def make_outcome(data: Mapping[str, Any]) -> Outcome:
     except ValueError:
         allowed = ", ".join(s.value for s in Status)
         raise LedgerError(
-            f"{where}: unknown status {data['status']!r} (expected one of {allowed})"
+            f"{where}: unknown status {short_repr(data['status'])} (expected one of {allowed})"
         ) from None
-    reward = data["reward"]
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise LedgerError(f"{where}: reward must be a finite number, got {reward!r}")
-    partial = data.get("partial_score", 0.0)
-    if (
-        isinstance(partial, bool)
-        or not isinstance(partial, int | float)
-        or not 0.0 <= float(partial) <= 1.0
-    ):
-        raise LedgerError(f"{where}: partial_score must be a number in [0, 1], got {partial!r}")
+    reward = _finite(data["reward"])
+    if reward is None:
+        raise LedgerError(
+            f"{where}: reward must be a finite number, got {short_repr(data['reward'])}"
+        )
+    raw_partial = data.get("partial_score", 0.0)
+    partial = _finite(raw_partial)
+    if partial is None or not 0.0 <= partial <= 1.0:
+        raise LedgerError(
+            f"{where}: partial_score must be a number in [0, 1], got {short_repr(raw_partial)}"
+        )
     details = _check_json_obj(data.get("details") or {}, "details", where)
     recorded = data.get("recorded_at", 0.0)
     return Outcome(
         session_id=sid,
         status=status,
-        reward=float(reward),
-        partial_score=float(partial),
+        reward=reward,
+        partial_score=partial,
         details=details,
         recorded_at=_check_time(recorded, "recorded_at", where),
     )

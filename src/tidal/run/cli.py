@@ -1,21 +1,140 @@
-"""`tidal run` and `tidal report`."""
+"""`tidal run` and `tidal report`.
+
+`prepare_run` is everything `tidal run` checks before it loads a model or writes anything:
+the config (a resumed run's own saved one), the run directory, the model. A run that
+fails before it wrote its `config.toml` (it never started) leaves no run directory
+behind that `tidal run` made.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from tidal.run.config import RunConfig
 
 RUNS = Path("runs")
 
 
-def _newest_run() -> Path | None:
-    runs = sorted((p for p in RUNS.glob("*") if (p / "config.toml").exists()),
-                  key=lambda p: p.stat().st_mtime)
-    return runs[-1] if runs else None
+class RunInputError(ValueError):
+    """A `tidal run` argument that cannot work; the message names it."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `tidal run` will run: the config, where, and where the config came from."""
+
+    cfg: RunConfig
+    out: Path
+    source: str
+
+
+def _newest_run(runs: Path) -> Path | None:
+    found = sorted((p for p in runs.glob("*") if (p / "config.toml").exists()),
+                   key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def _check_out(out: Path) -> None:
+    """`--out` is, or can be made as, a writable directory."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise RunInputError(f"--out {out} is a file, not a run directory")
+        base = next(p for p in (out, *out.parents) if p.exists())
+    except OSError as e:
+        raise RunInputError(f"--out {out}: {e.strerror}") from None
+    if not base.is_dir():
+        raise RunInputError(f"--out {out}: {base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise RunInputError(f"--out {out}: {base} is not writable")
+
+
+def _value_at(cfg: RunConfig, key: str) -> object:
+    value: object = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _resumed_config(saved: Path, given: Path | None) -> RunConfig:
+    """The run's own saved config; a CONFIG given with --resume must equal it."""
+    from tidal.run.config import first_difference, load_config
+
+    cfg = load_config(saved)
+    if given is not None:
+        other = load_config(given)
+        key = first_difference(other, cfg)
+        if key is not None:
+            here, there = _value_at(other, key), _value_at(cfg, key)
+            raise RunInputError(
+                f"--resume: {given} differs from the run's own config {saved} at {key} "
+                f"({here!r} here, {there!r} saved); a resumed run keeps its config: leave "
+                "CONFIG out, or start a new run with another --out"
+            )
+    return cfg
+
+
+def _check_model(cfg: RunConfig) -> None:
+    """`model.name` names a model there is (without building or loading it), and
+    `model.device` a device there is."""
+    from tidal.engine.pretrained import PRETRAINED
+    from tidal.engine.tiny import TinyModelError, resolve_model
+
+    name = cfg.model.name
+    if name != "tiny" and name not in PRETRAINED:
+        try:
+            resolve_model(name)  # a local directory: only looked at
+        except (TinyModelError, OSError, ValueError) as e:
+            raise RunInputError(f"model.name: {e}") from None
+    if cfg.model.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RunInputError("model.device = \"cuda\" but CUDA is not available here: use "
+                                "\"auto\" or \"cpu\"")
+
+
+def prepare_run(config: Path | None, out: Path | None, *, resume: bool,
+                runs: Path = RUNS) -> Prepared:
+    """Read and check everything `tidal run` needs before it loads a model. Raises
+    ConfigError (the config) or RunInputError (an argument, the model)."""
+    from tidal.run.config import load_config
+
+    if resume and out is None:
+        out = _newest_run(runs)
+        if out is None:
+            raise RunInputError(f"--resume found no run under {runs}/; pass --out")
+    if out is not None:
+        _check_out(out)
+    if resume:
+        assert out is not None
+        saved = out / "config.toml"
+        if not saved.is_file():
+            raise RunInputError(f"--resume: nothing to resume in {out} (no config.toml: the "
+                                "run never started)")
+        cfg, source = _resumed_config(saved, config), str(saved)
+    else:
+        cfg, source = load_config(config), str(config) if config else "built-in default"
+        if out is not None and (out / "config.toml").exists():
+            raise RunInputError(f"--out {out} already holds a run: pass --resume or choose "
+                                "another --out")
+    _check_model(cfg)
+    return Prepared(cfg, out or runs / time.strftime("run-%Y%m%d-%H%M%S"), source)
+
+
+def _discard_unstarted(out: Path, made: bool) -> None:
+    """Remove the run directory this command made for a run that never started (no
+    config.toml yet), so that nothing is left to get in a retry's way."""
+    if made and out.is_dir() and not (out / "config.toml").exists():
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def run_cmd(
@@ -26,34 +145,36 @@ def run_cmd(
         Path | None, typer.Option("--out", help="Run directory (default: runs/<time>).")
     ] = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue a killed run from its last checkpoint.")
+        bool, typer.Option("--resume", help="Continue a killed run from its last checkpoint, "
+                           "with its own saved config.")
     ] = False,
 ) -> None:
     """Run the RL loop: warm start, rollouts through the gateway, tree training."""
-    from tidal.run.config import ConfigError, load_config
+    from tidal.run.config import ConfigError
+    from tidal.run.progress import say
 
-    if resume and out is None:
-        out = _newest_run()
-        if out is None:
-            typer.echo("error: --resume found no run under runs/; pass --out", err=True)
-            raise typer.Exit(2)
-        if config is None:
-            config = out / "config.toml"
     try:
-        cfg = load_config(config)
-    except ConfigError as e:
+        plan = prepare_run(config, out, resume=resume)
+    except (ConfigError, RunInputError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    out = out or RUNS / time.strftime("run-%Y%m%d-%H%M%S")
+    say(f"{'resuming' if resume else 'starting'} run {plan.out} (config: {plan.source}): "
+        "loading tasks, model and engine")
+    made = not plan.out.exists()
     from tidal.run.loop import RunError, run
 
     try:
-        summary = run(cfg, out, resume=resume)
+        summary = run(plan.cfg, plan.out, resume=resume)
     except RunError as e:
+        _discard_unstarted(plan.out, made)
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+    except BaseException:
+        _discard_unstarted(plan.out, made)
+        raise
     typer.echo(json.dumps(summary))
-    typer.echo(f"run directory: {out}  (tidal report {out} --html {out}/report.html)")
+    typer.echo(f"run directory: {plan.out}  (tidal report {plan.out} --html "
+               f"{plan.out}/report.html)")
 
 
 def report_cmd(

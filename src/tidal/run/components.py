@@ -11,7 +11,8 @@ editing it:
   HarnessResult | None, or an object (or class) with `.run(ctx)`;
 - sandbox runtime (`rollout.sandbox`): bwrap, local; module:attr is fn(SandboxConfig) ->
   a context manager yielding a `ToolRuntime`;
-- engine (`engine.kind`): embedded; module:attr is fn(weights_dir, **options) -> Engine;
+- engine (`engine.kind`): embedded, vllm (servers started or attached); module:attr is
+  fn(weights_dir, **options) -> Engine;
 - scheduler backend (`schedule.backend`): local; module:attr is fn(devices, slots) ->
   Backend.
 
@@ -41,13 +42,14 @@ if TYPE_CHECKING:
     from tidal.agent.environment import Environments
     from tidal.agent.harness import AgentConfig
     from tidal.run.config import RunConfig, TasksConfig
+    from tidal.schedule.backend import SwitchHook
     from tidal.schedule.scheduler import Scheduler
 
 BUILTIN_TASK_SOURCES: tuple[str, ...] = (*TASK_SETS, *HARBOR_SETS)
 BUILTINS: dict[str, tuple[str, ...]] = {
     "agent.harness": ("builtin", "command"),
     "rollout.sandbox": ("bwrap", "local"),
-    "engine.kind": ("embedded",),
+    "engine.kind": ("embedded", "vllm"),
     "schedule.backend": ("local",),
 }
 _ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -232,9 +234,51 @@ def make_environments(cfg: RunConfig) -> Environments:
 # --------------------------------------------------------------------------- engine
 
 
+def check_engine(cfg: RunConfig) -> None:
+    """What can be checked of the engine before anything loads: vLLM importable by
+    `engine.vllm_python` (servers to start), or every attached URL answering."""
+    if cfg.engine.kind != "vllm":
+        return
+    import sys
+
+    import httpx
+
+    from tidal.engine.base import EngineError
+    from tidal.engine.servers import check_vllm
+
+    if not cfg.engine.urls:
+        try:
+            check_vllm(cfg.engine.vllm_python or sys.executable)
+        except EngineError as e:
+            raise ComponentError(f"engine.kind = \"vllm\": {e}") from None
+    for url in cfg.engine.urls:
+        try:
+            httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).raise_for_status()
+        except httpx.HTTPError as e:
+            raise ComponentError(f"engine.urls: {url} does not answer /v1/models: {e}") from None
+
+
 def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_version: int,
-                model_name: str) -> Any:
-    """The engine `tidal run` samples with."""
+                model_name: str, tokenizer_dir: Path, run_dir: Path) -> Any:
+    """The engine `tidal run` samples with. vLLM servers are started (or attached to) and
+    checked here, before anything else runs: an error names the key."""
+    if cfg.engine.kind == "vllm":
+        import sys
+
+        from tidal.engine.base import EngineError
+        from tidal.engine.servers import ServerPool, ServerSpec
+
+        e = cfg.engine
+        try:
+            if e.urls:
+                return ServerPool.attach(e.urls, model_name, policy_version=policy_version)
+            spec = ServerSpec(python=e.vllm_python or sys.executable, tokenizer_dir=tokenizer_dir,
+                              served_name=model_name, log_dir=run_dir / "vllm",
+                              max_model_len=e.max_model_len, device=device,
+                              args=tuple(e.vllm_args), start_timeout_s=e.start_timeout_s)
+            return ServerPool.start(spec, e.servers, weights_dir, policy_version=policy_version)
+        except EngineError as err:
+            raise ComponentError(f"engine.kind = \"vllm\": {err}") from None
     if cfg.engine.kind == "embedded":
         from tidal.engine.embedded import EmbeddedEngine
 
@@ -250,12 +294,14 @@ def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_versio
 # --------------------------------------------------------------------------- scheduler
 
 
-def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0) -> Scheduler:
+def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
+                   on_switch: SwitchHook | None = None, switch_s: float = 0.0) -> Scheduler:
     """The elastic scheduler over `schedule.devices` devices of `schedule.backend`,
     `rollout.tasks_per_step` groups per step, staleness bound `rl.max_staleness`. On the
     local backend a role switch moves no model (the engine and the trainer are both in
-    this process), so the policy is told switches are free; `mean_group_s` scales the
-    elastic policy's time constants."""
+    this process) unless `on_switch(device, role)` does (vLLM servers sleep while their
+    device trains and restart when it returns, `switch_s` seconds); `mean_group_s` scales
+    the elastic policy's time constants."""
     from tidal.schedule.local import LocalBackend
     from tidal.schedule.policy import policy_named
     from tidal.schedule.scheduler import Scheduler
@@ -263,13 +309,14 @@ def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0) -> Scheduler:
 
     s = cfg.schedule
     if s.backend == "local":
-        backend: Any = LocalBackend(s.devices, s.groups_per_device, mode="thread")
+        backend: Any = LocalBackend(s.devices, s.groups_per_device, mode="thread",
+                                    on_switch=on_switch)
     else:
         backend = load_attr(s.backend, "schedule.backend")(s.devices, s.groups_per_device)
     config = PoolConfig(
         n_devices=s.devices, batch_size=cfg.rollout.tasks_per_step,
         slots_per_device=s.groups_per_device, max_staleness=cfg.rl.max_staleness,
-        rollout_to_train_s=0.0, train_to_rollout_s=0.0, rate_window_s=mean_group_s / 4,
+        rollout_to_train_s=0.0, train_to_rollout_s=switch_s, rate_window_s=mean_group_s / 4,
     )
     return Scheduler(backend, policy_named(s.policy, train_devices=s.train_devices,
                                            mean_group_s=mean_group_s), config)

@@ -4,15 +4,30 @@ Every field is documented in docs/config.md (a test checks that each field appea
 there). `load_config(None)` gives the embedded default that README's `make run` uses:
 the local tiny model, a local store and local sandboxes, sized to finish in under 15
 minutes on a 2-core CPU.
+
+Values are read strictly: an integer field takes a TOML integer (not `true`, `3.0` or
+`"3"`) of at most `INT_MAX`, a number field a finite TOML number, a flag a TOML boolean.
 """
 
 from __future__ import annotations
 
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+INT_MAX = 2**31 - 1
+"""The largest integer a config takes (torch, numpy and C ints downstream all hold it)."""
+_SECONDS_MAX = threading.TIMEOUT_MAX  # the longest wait a thread can be given
 
 
 class ConfigError(ValueError):
@@ -20,7 +35,15 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int_range(cls, v: Any) -> Any:
+        """Every integer field, whatever its own bounds: at most `INT_MAX` either way."""
+        if type(v) is int and abs(v) > INT_MAX:
+            raise ValueError(f"out of range: at most {INT_MAX}")
+        return v
 
 
 class ModelConfig(_Section):
@@ -41,7 +64,8 @@ class TasksConfig(_Section):
     train_size: int = Field(64, ge=1, description="tasks sampled for RL")
     heldout_size: int = Field(32, ge=1, description="held-out tasks for evaluation")
     time_limit_s: float = Field(
-        60.0, gt=0, description="per-session wall-clock limit of tasks that set none"
+        60.0, gt=0, le=_SECONDS_MAX,
+        description="per-session wall-clock limit of tasks that set none",
     )
 
     @model_validator(mode="before")
@@ -67,9 +91,13 @@ class TasksConfig(_Section):
     def _sources(self) -> TasksConfig:
         from tidal.run.components import check_task_source
 
-        check_task_source(self.source, "tasks.source")
-        if self.heldout_source:
-            check_task_source(self.heldout_source, "tasks.heldout_source")
+        for key, value in (("tasks.source", self.source),
+                           ("tasks.heldout_source", self.heldout_source)):
+            if key == "tasks.source" or value:
+                try:
+                    check_task_source(value, key)
+                except OSError as e:  # a path the system refuses to look at (too long)
+                    raise ValueError(f"{key}: {e.strerror}") from None
         return self
 
 
@@ -87,8 +115,8 @@ class AgentSection(_Section):
     env: dict[str, str] = Field(default_factory=dict,
                                 description="variables added to the harness's environment")
     timeout_sec: float = Field(
-        0.0, ge=0, description="the agent's wall-clock limit per episode (0: the task's own, "
-        "else tasks.time_limit_s)",
+        0.0, ge=0, le=_SECONDS_MAX, description="the agent's wall-clock limit per episode "
+        "(0: the task's own, else tasks.time_limit_s)",
     )
 
     @model_validator(mode="after")
@@ -119,8 +147,23 @@ class EnvironmentConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: str = Field("embedded", description="embedded (transformers, in this process) or "
-                      "module:attr (a factory returning an Engine)")
+    kind: str = Field("embedded", description="embedded (transformers, in this process), vllm "
+                      "(vLLM servers: started here, or attached by urls) or module:attr (a "
+                      "factory returning an Engine)")
+    servers: int = Field(1, ge=1, le=64, description="kind = vllm: servers tidal starts, "
+                         "watches and stops (server i on GPU i on CUDA)")
+    urls: tuple[str, ...] = Field(
+        (), description="kind = vllm: attach to these running servers instead (each must "
+        "serve the run's model under its name; weights reload in place)",
+    )
+    vllm_python: str = Field("", description="kind = vllm: the interpreter whose environment "
+                             "has vLLM (empty: the one running tidal)")
+    vllm_args: tuple[str, ...] = Field((), description="kind = vllm: extra arguments for every "
+                                       "server tidal starts (after tidal's own)")
+    max_model_len: int = Field(8192, ge=256, description="kind = vllm: the servers' context "
+                               "(prompt + output tokens)")
+    start_timeout_s: float = Field(600.0, gt=0, le=_SECONDS_MAX,
+                                   description="kind = vllm: seconds a server may take to come up")
     tool_parser: str = Field(
         "", description="tool-call parsers, comma-separated (hermes, fenced, json, mistral, "
         "pythonic, qwen3_xml, or module:attr); empty: the chat template's",
@@ -135,6 +178,23 @@ class EngineConfig(_Section):
 
             resolve_parsers(v)  # ValueError names the unknown one
         return v
+
+    @model_validator(mode="after")
+    def _vllm_keys(self) -> EngineConfig:
+        if self.kind != "vllm":
+            fields = type(self).model_fields
+            used = [k for k in ("servers", "urls", "vllm_python", "vllm_args", "max_model_len",
+                                "start_timeout_s") if getattr(self, k) != fields[k].default]
+            if used:
+                raise ValueError(f"engine.{used[0]} is only used with engine.kind = \"vllm\" "
+                                 f"(kind is {self.kind!r})")
+        if self.urls and (self.servers != 1 or self.vllm_python or self.vllm_args):
+            raise ValueError("engine.urls attaches to running servers: engine.servers, "
+                             "vllm_python and vllm_args are for servers tidal starts")
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"engine.urls: {u!r} is not an http(s) URL")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -270,6 +330,9 @@ class RunConfig(_Section):
                 f"rollout.tools must name tools from {', '.join(ALL_TOOLS)} and include "
                 f"finish; got {list(self.rollout.tools)}"
             )
+        if self.rl.numerics == "consistent" and self.engine.kind == "vllm":
+            raise ValueError("rl.numerics = \"consistent\" needs engine.kind = \"embedded\": "
+                             "vLLM's kernels are not the trainer's")
         if self.rl.numerics == "consistent" and self.rollout.temperature != 1.0:
             raise ValueError(
                 "rl.numerics = \"consistent\" needs rollout.temperature = 1.0: the trainer's "
@@ -295,31 +358,78 @@ def _format_error(e: ValidationError, source: str) -> str:
     lines = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"  {loc}: {msg}")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key")
+            continue
+        got = "" if isinstance(err["input"], dict) else f" (got {_shown(err['input'])})"
+        lines.append(f"  {loc}: {err['msg']}{got}")
     return f"invalid config {source}:\n" + "\n".join(lines)
+
+
+def _shown(value: object) -> str:
+    """A value as the error quotes it: TOML's spelling of booleans, long values cut."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _arrays_as_tuples(value: object) -> object:
+    """TOML arrays as tuples: the config's sequence fields are tuples, read strictly."""
+    if isinstance(value, dict):
+        return {k: _arrays_as_tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_arrays_as_tuples(v) for v in value)
+    return value
 
 
 def parse_config(data: dict[str, object], source: str = "<dict>") -> RunConfig:
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(_arrays_as_tuples(data))
     except ValidationError as e:
         raise ConfigError(_format_error(e, source)) from None
 
 
 def load_config(path: Path | None) -> RunConfig:
-    """Read and validate a TOML config; `None` gives the built-in default."""
+    """Read and validate a TOML config; `None` gives the built-in default. A file that
+    sets nothing is refused: the default is what leaving CONFIG out gives."""
     if path is None:
         return RunConfig()
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(f"config {path} is not UTF-8 text (TOML must be): byte "
+                          f"0x{raw[e.start]:02x} at line {line}") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path} is not valid TOML: arrays or tables nested too "
+                          "deeply") from None
+    if not data:
+        raise ConfigError(f"config {path} sets nothing (it is empty or only comments): for "
+                          "the built-in default run `tidal run` without CONFIG")
     return parse_config(data, str(path))
+
+
+def first_difference(a: BaseModel, b: BaseModel, prefix: str = "") -> str | None:
+    """The dotted key (`rl.steps`) of the first field, in the config's own order, where
+    two configs differ; None when they are equal."""
+    for name in type(a).model_fields:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, BaseModel) and isinstance(y, BaseModel):
+            found = first_difference(x, y, f"{prefix}{name}.")
+            if found is not None:
+                return found
+        elif x != y:
+            return f"{prefix}{name}"
+    return None
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -343,4 +453,17 @@ def _toml_value(v: object) -> str:
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return _toml_string(str(v))
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quote and backslash escaped, control characters as \\uXXXX."""
+    out = ['"']
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out) + '"'

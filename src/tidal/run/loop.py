@@ -12,8 +12,10 @@
 
 Every component is chosen by name in `tidal.run.components` (task source, harness,
 sandbox runtime, engine, scheduler backend); this file only wires them. The trainer's
-model and the engine's model are two copies of the same weights in one process; after
-each update the engine receives the new state dict and version. Rollouts go through the
+model and the engine's are two copies of the same weights (both loaded by
+`load_policy_model`); after each update the engine gets the new weights and version
+through `Engine.update_weights` (in process for the embedded engine; a checkpoint for
+vLLM servers, which restart on it). Rollouts go through the
 elastic scheduler (`tidal.schedule`): task groups are its work items, a full batch of
 groups is one step, and the policy (`schedule.policy`) decides whether rollouts and
 training overlap (elastic, the default; async) within the staleness bound
@@ -26,6 +28,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -38,6 +41,8 @@ import torch
 from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
 from tidal.agent.tasks import Demonstration, Task, TaskError, demonstrations, taught
+from tidal.engine.base import Weights
+from tidal.engine.model import load_policy_model
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
@@ -104,8 +109,22 @@ class Parts:
         save_checkpoint(self.run_dir, self.policy, self.optimizer, st)
         return st
 
-    def sync_engine(self, version: int) -> None:
-        self.engine.load_state_dict(self.policy.state_dict(), version)
+    def sync_engine(self, version: int) -> float:
+        """The trainer's weights to the engine as `version` (`Engine.update_weights`: in
+        process for the embedded engine; a checkpoint under RUN_DIR/weights/ for servers,
+        written once); older checkpoints there are removed. Returns the seconds taken."""
+        t0 = time.perf_counter()
+        out = self.run_dir / "weights" / f"v{version}"
+        self.engine.update_weights(Weights.of_model(self.policy, out), version)
+        for old in (self.run_dir / "weights").glob("v*"):
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
+        return time.perf_counter() - t0
+
+    def engine_metrics(self) -> dict[str, Any]:
+        """What the engine reports per step (servers: tokens/s, sessions, prefix cache)."""
+        metrics = getattr(self.engine, "metrics", None)
+        return dict(metrics()) if callable(metrics) else {}
 
     def evaluate(self, tag: str, state: RunState) -> float:
         cfg = self.cfg
@@ -153,6 +172,7 @@ def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> 
                            ("engine.kind", cfg.engine.kind)):
             if components.is_attr(value):
                 components.load_attr(value, key)
+        components.check_engine(cfg)
     except (TaskError, components.ComponentError) as e:
         raise RunError(str(e)) from e
     log = _open_log(cfg, run_dir, resume=ckpt is not None or state.step > 0)
@@ -179,8 +199,6 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
            t_start: float, tasks: components.Tasks, harness: Harness, eval_harness: Harness,
            new_runtime: components.RuntimeFactory, log: RunLog) -> Parts:
     """The heavy parts, once every name resolved and the loggers started."""
-    from transformers import AutoModelForCausalLM
-
     environments = components.make_environments(cfg)
     if cfg.rollout.sandbox == "local" and any(
             t.environment for t in (*tasks.train, *tasks.heldout)):
@@ -195,12 +213,17 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
                 else resolve_model(cfg.model.name))
     tokenizer = load_tokenizer(base_dir)
     weights_dir = ckpt if ckpt is not None else base_dir
-    policy = AutoModelForCausalLM.from_pretrained(
-        str(weights_dir), dtype=torch.float32, attn_implementation="sdpa"
-    ).to(device)  # type: ignore[arg-type]
+    # the trainer's copy, loaded as the engine loads its own (eval mode: no dropout, as
+    # the engine samples)
+    policy = load_policy_model(weights_dir, device=device, dtype=torch.float32)
     model_name = cfg.model.name if cfg.model.name == "tiny" else base_dir.name
-    engine = components.make_engine(cfg, weights_dir, device=device,
-                                     policy_version=state.policy_version, model_name=model_name)
+    try:
+        engine = components.make_engine(cfg, weights_dir, device=device,
+                                         policy_version=state.policy_version,
+                                         model_name=model_name, tokenizer_dir=base_dir,
+                                         run_dir=run_dir)
+    except components.ComponentError as e:
+        raise RunError(str(e)) from e
     store = LedgerStore(run_dir / "ledger.db")
     gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
                             lenient_tool_parsing=not cfg.engine.tool_parser_strict)
@@ -289,8 +312,10 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
                        "loss_first": losses[0] if losses else None,
                        "loss_last": losses[-1] if losses else None,
                        "seconds": time.perf_counter() - t0})
-    state = state.advance(warmstart_done=True, policy_version=1)
-    parts.sync_engine(1)
+    if not losses:  # nothing trained: the engine already has these weights (version 0)
+        return parts.checkpoint(state.advance(warmstart_done=True))
+    state = state.advance(warmstart_done=True, policy_version=state.policy_version + 1)
+    parts.sync_engine(state.policy_version)
     return parts.checkpoint(state)
 
 
@@ -304,7 +329,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
     rng = random.Random(cfg.seed * 1000 + state.step)
     plan: deque[Task] = deque()
     group_sids: dict[int, list[str]] = {}  # scheduled group -> its main sessions
-    sched = components.make_scheduler(cfg)
+    sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg))
     roll = partial(parts.rollouts.group, base_version=state.policy_version)
     train_ids = [t.task_id for t in parts.train_tasks]
     first_step = state.step
@@ -368,13 +393,14 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
                     (grp.value[0].task_id, [e.reward for e in grp.value])
                     for grp in groups if grp.value)),
             )
-            parts.sync_engine(state.policy_version)
+            sync_s = parts.sync_engine(state.policy_version)
             state = parts.checkpoint(state)
             log.metrics(_step_row(
                 state, eps=eps, m=metrics, t_wait=t_wait, t_train=t_train,
                 wall=time.perf_counter() - t0, cpu=_cpu_seconds() - cpu0, groups=groups,
                 sched=sched.metrics(),
                 sampled=_sampled(store, [s for e in eps for s in e.session_ids]),
+                engine={"weight_sync_s": sync_s, **parts.engine_metrics()},
             ))
             log.advance("rl")
             if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
@@ -495,7 +521,7 @@ def _sampled(store: LedgerStore, session_ids: list[str]) -> tuple[int, float]:
 def _step_row(
     state: RunState, *, eps: list[Episode], m: dict[str, float], t_wait: float,
     t_train: float, wall: float, cpu: float, groups: list[Sample], sched: dict[str, Any],
-    sampled: tuple[int, float] = (0, 0.0),
+    sampled: tuple[int, float] = (0, 0.0), engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One RL step's metrics row. `rollout_s` is how long the trainer waited for its
     batch (rollouts of other batches may overlap training under elastic/async);
@@ -524,8 +550,18 @@ def _step_row(
         "rollout_tokens_per_s": sampled_tokens / span if span else 0.0,
         "cpu_utilization": cpu / (wall * (os.cpu_count() or 1)),
         **_schedule_summary(sched),
+        # the engine's: weight_sync_s (trainer -> engine), per-server figures (vLLM)
+        **(engine or {}),
         **m,
     }
+
+
+def _switching(engine: Any, cfg: RunConfig) -> dict[str, Any]:
+    """Role switches that act on the engine: vLLM servers started here, one per device,
+    sleep while their device trains and wake on the newest weights (a start's seconds)."""
+    if cfg.engine.kind != "vllm" or cfg.engine.urls or cfg.engine.servers != cfg.schedule.devices:
+        return {}
+    return {"on_switch": engine.on_switch, "switch_s": engine.start_s}
 
 
 def _schedule_summary(m: dict[str, Any]) -> dict[str, Any]:
@@ -537,4 +573,6 @@ def _schedule_summary(m: dict[str, Any]) -> dict[str, Any]:
         "idle_s_per_device": m["idle_s_per_device"],
         "stale_groups_dropped": m["staleness"]["dropped_total"],
         "staleness_trained": m["staleness"]["trained"],
+        # seconds of every role switch so far (a vLLM server's stop or start among them)
+        "switch_s": [round(x, 3) for x in m.get("switch_seconds", ())],
     }

@@ -3,15 +3,19 @@
 the same names, to every logger of `[log] backends` (`tidal.run.loggers`: TensorBoard by
 default, W&B, MLflow).
 
-On a terminal, progress is rich bars; without one (CI, `nohup`, a pipe), plain lines:
+On a terminal, progress is rich bars (on stderr); when stdout is not a terminal (CI,
+`nohup`, a pipe, `> log`), plain lines on stdout, each flushed: one as each phase starts,
 one per RL step, and for the other phases their first and last item and one line every
-`PLAIN_EVERY_S` seconds between, so a log file reads as a timeline.
+`PLAIN_EVERY_S` seconds between, so a log file reads as a timeline. (Stdout a terminal
+and stderr not: the plain lines go to stderr.) `say` prints one such line at once (what
+`tidal run` says while it starts).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +27,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tidal.run.loggers import Logger, LogStart, open_loggers, scalars
 
 PLAIN_EVERY_S = 10.0
+
+
+def say(text: str) -> None:
+    """One timestamped plain line, flushed: on stdout when it is not a terminal (where
+    plain progress lines go), else on stderr (beside the bars)."""
+    stream = sys.stderr if sys.stdout.isatty() else sys.stdout
+    print(f"{time.strftime('%H:%M:%S')} {text}", file=stream, flush=True)
 
 
 class _Plain:
@@ -37,7 +48,9 @@ class _Plain:
 
 class RunLog:
     """metrics.jsonl, the loggers, and progress. `backends` start here: one that cannot
-    is a `LoggerError` (raised before the run does anything else)."""
+    is a `LoggerError` (raised before the run does anything else). A `console` given
+    takes everything (bars when it is a terminal, else plain lines); by default bars and
+    warnings go to stderr, and plain lines to stdout when it is not a terminal."""
 
     def __init__(self, run_dir: Path, *, total_steps: int, quiet: bool = False,
                  backends: tuple[str, ...] = ("tensorboard",),
@@ -47,7 +60,10 @@ class RunLog:
         self._loggers: list[tuple[str, Logger]] = open_loggers(backends, start)
         self._fh = self.path.open("a", encoding="utf-8")
         self._console = console or Console(stderr=True, quiet=quiet)
-        self._bars = self._console.is_terminal
+        self._out = self._console  # where plain lines go
+        if console is None and not sys.stdout.isatty():
+            self._out = Console(file=sys.stdout, quiet=quiet)
+        self._bars = self._out is self._console and self._console.is_terminal
         self._progress = Progress(
             TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self._console,
@@ -65,6 +81,7 @@ class RunLog:
 
     def phase(self, name: str, total: int, done: int = 0) -> None:
         self._plain[name] = _Plain(total, done)
+        self._line(f"{name} {done}/{total}")
         if name in self._tasks:
             self._progress.reset(self._tasks[name], total=total, completed=done)
         else:
@@ -87,8 +104,8 @@ class RunLog:
 
     def _line(self, text: str) -> None:
         if not self._bars:
-            self._console.print(f"{time.strftime('%H:%M:%S')} {text}", soft_wrap=True,
-                                markup=False, highlight=False)
+            self._out.print(f"{time.strftime('%H:%M:%S')} {text}", soft_wrap=True,
+                            markup=False, highlight=False)
 
     def metrics(self, row: dict[str, Any]) -> None:
         row = {"time": time.time(), **row}

@@ -1,13 +1,22 @@
-"""`tidal sandbox ...`: try a sandbox by hand, check the machine, clean up."""
+"""`tidal sandbox ...`: try a sandbox by hand, check the machine, clean up.
+
+A bad option is refused before any sandbox starts, naming the option as typed
+(`--timeout`, not the `Limits` field behind it); exit 2 (docs/sandbox.md, "What bad input
+gets").
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from tidal.sandbox import Limits
 
 sandbox_app = typer.Typer(
     help="Isolated episode sandboxes (bubblewrap + overlayfs + cgroups).",
@@ -34,10 +43,13 @@ def run_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Run one command in a fresh sandbox and exit with its exit code."""
-    from tidal.sandbox import Limits, Sandbox, SandboxConfig, SandboxError
+    from tidal.sandbox import Sandbox, SandboxConfig, SandboxError
 
     try:
-        limits = Limits(memory_bytes=memory_mb << 20, pids=pids, cpu_s=cpu_s, wall_s=timeout)
+        limits = _limits(timeout=timeout, memory_mb=memory_mb, pids=pids, cpu_s=cpu_s)
+        for port in allow_port or ():
+            if not 1 <= port <= 65535:
+                raise ValueError(f"--allow-port {port} is not a TCP port (1..65535)")
         cfg = SandboxConfig(image=str(image) if image else None, limits=limits,
                             allow_ports=tuple(allow_port or ()))
         with Sandbox(cfg) as sb:
@@ -55,6 +67,21 @@ def run_cmd(
             sys.stderr.write(f"[tidal sandbox: {r.status.value}: {r.detail}]\n")
         sys.stderr.flush()
     raise typer.Exit(r.exit_code)
+
+
+def _limits(*, timeout: float, memory_mb: int, pids: int, cpu_s: float) -> Limits:
+    """The `Limits` of these options, or ValueError naming the option as typed."""
+    from tidal.sandbox import Limits
+
+    for option, seconds in (("--timeout", timeout), ("--cpu-s", cpu_s)):
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{option} must be a positive, finite number of seconds, got "
+                             f"{seconds}")
+    if memory_mb < 8:
+        raise ValueError(f"--memory-mb must be at least 8, got {memory_mb}")
+    if pids < 4:
+        raise ValueError(f"--pids must be at least 4, got {pids}")
+    return Limits(memory_bytes=memory_mb << 20, pids=pids, cpu_s=cpu_s, wall_s=timeout)
 
 
 @sandbox_app.command("check")

@@ -1,28 +1,40 @@
 """`tidal simulate`: replay a workload on N devices under the three policies.
 
-Heavy imports (numpy) happen inside the command so `tidal --help` stays fast.
+Heavy imports (numpy) happen inside the command so `tidal --help` stays fast. Every
+option is checked before the simulation starts; a bad one is a usage error naming it
+(docs/scheduler.md, "What bad input gets").
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from tidal.schedule.workload import WorkloadModel
 
 
 def simulate(
     *,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    devices: Annotated[int, typer.Option("--devices", "-n", help="Devices (GPUs).")] = 256,
-    slots: Annotated[int, typer.Option(help="Concurrent sessions per rollout device.")] = 4,
+    devices: Annotated[int, typer.Option(
+        "--devices", "-n", min=2, help="Devices (GPUs); at least 2 (async splits them).")
+    ] = 256,
+    slots: Annotated[
+        int, typer.Option(min=1, help="Concurrent sessions per rollout device.")
+    ] = 4,
     batch: Annotated[
-        int, typer.Option(help="Samples per optimizer step (0: devices x slots).")
+        int, typer.Option(min=0, help="Samples per optimizer step (0: devices x slots).")
     ] = 0,
-    steps: Annotated[int, typer.Option(help="Optimizer steps to train (same for all).")] = 8,
+    steps: Annotated[
+        int, typer.Option(min=1, help="Optimizer steps to train (same for all).")
+    ] = 8,
     staleness: Annotated[
-        int, typer.Option(help="Max versions a trained sample may lag (async, elastic).")
+        int, typer.Option(min=0, help="Max versions a trained sample may lag (async, elastic).")
     ] = 2,
     staleness_rule: Annotated[str, typer.Option(help="drop | downweight")] = "drop",
     mean_hours: Annotated[float, typer.Option(help="Mean rollout duration (h).")] = 2.0,
@@ -48,7 +60,7 @@ def simulate(
     ] = True,
     migrate_s: Annotated[float, typer.Option(help="Cost of one session migration (s).")] = 60.0,
     async_train: Annotated[
-        int, typer.Option(help="Fix the async split's train devices (0: best split).")
+        int, typer.Option(min=0, help="Fix the async split's train devices (0: best split).")
     ] = 0,
     ledger: Annotated[
         Path | None, typer.Option(help="Take durations and tokens from this ledger store.")
@@ -56,25 +68,29 @@ def simulate(
     ledger_mean_hours: Annotated[
         float, typer.Option(help="Rescale ledger durations to this mean (h); 0: as recorded.")
     ] = 0.0,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Workload seed.")] = 0,
 ) -> None:
     """Compare colocated, fixed-split async and elastic scheduling on one workload."""
     from tidal.schedule.compare import Scenario, compare
     from tidal.schedule.types import StalenessRule
-    from tidal.schedule.workload import EmpiricalWorkload, LognormalWorkload, WorkloadModel
 
-    wl: WorkloadModel
-    if ledger is not None:
-        wl = EmpiricalWorkload.from_ledger(
-            ledger,
-            mean_s=ledger_mean_hours * 3600 if ledger_mean_hours > 0 else None,
-        )
-    elif p99_hours > 0:
-        wl = LognormalWorkload.from_p99(
-            mean_hours * 3600, p99_hours * 3600, tokens_per_s=tokens_per_s
-        )
-    else:
-        wl = LognormalWorkload(mean_s=mean_hours * 3600, sigma=sigma, tokens_per_s=tokens_per_s)
+    _check_numbers(
+        {"--mean-hours": mean_hours, "--tokens-per-s": tokens_per_s, "--sigma": sigma,
+         "--p99-hours": p99_hours, "--train-s-per-token": train_s_per_token,
+         "--step-overhead-s": step_overhead_s, "--switch-to-train-s": switch_to_train_s,
+         "--switch-to-rollout-s": switch_to_rollout_s, "--migrate-s": migrate_s,
+         "--ledger-mean-hours": ledger_mean_hours},
+        positive=("--mean-hours",),
+    )
+    rules = [r.value for r in StalenessRule]
+    if staleness_rule not in rules:
+        raise typer.BadParameter(f"{staleness_rule!r} is not one of {', '.join(rules)}",
+                                 param_hint="--staleness-rule")
+    if async_train >= devices:
+        raise typer.BadParameter(f"{async_train} train devices leave no rollout device of "
+                                 f"--devices {devices}", param_hint="--async-train")
+    wl = _workload(ledger, ledger_mean_hours=ledger_mean_hours, mean_hours=mean_hours,
+                   p99_hours=p99_hours, sigma=sigma, tokens_per_s=tokens_per_s)
     try:
         sc = Scenario(
             n_devices=devices,
@@ -101,6 +117,45 @@ def simulate(
         typer.echo(json.dumps(result, indent=2))
         return
     _print(result)
+
+
+def _check_numbers(values: dict[str, float], positive: tuple[str, ...]) -> None:
+    """Each option finite and >= 0 (> 0 for those in `positive`), else a usage error."""
+    for option, v in values.items():
+        low = "> 0" if option in positive else ">= 0"
+        if not math.isfinite(v) or v < 0 or (option in positive and v == 0):
+            raise typer.BadParameter(f"must be a finite number {low}, got {v}",
+                                     param_hint=option)
+
+
+def _workload(
+    ledger: Path | None, *, ledger_mean_hours: float, mean_hours: float, p99_hours: float,
+    sigma: float, tokens_per_s: float,
+) -> WorkloadModel:
+    """The sessions to replay: a recorded ledger's, or lognormal (by sigma or p99)."""
+    import sqlite3
+
+    from tidal.ledger.types import LedgerError
+    from tidal.schedule.workload import EmpiricalWorkload, LognormalWorkload
+
+    if ledger is not None:
+        try:
+            return EmpiricalWorkload.from_ledger(
+                ledger, mean_s=ledger_mean_hours * 3600 if ledger_mean_hours > 0 else None
+            )
+        except (LedgerError, sqlite3.Error, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="--ledger") from None
+    if p99_hours > 0:
+        if p99_hours <= mean_hours:
+            raise typer.BadParameter(f"a p99 of {p99_hours} h must be above --mean-hours "
+                                     f"{mean_hours}", param_hint="--p99-hours")
+        try:
+            return LognormalWorkload.from_p99(
+                mean_hours * 3600, p99_hours * 3600, tokens_per_s=tokens_per_s
+            )
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--p99-hours") from None
+    return LognormalWorkload(mean_s=mean_hours * 3600, sigma=sigma, tokens_per_s=tokens_per_s)
 
 
 def _print(r: dict[str, Any]) -> None:
