@@ -92,6 +92,8 @@ def test_sessions_stay_on_their_server_and_new_ones_balance(pool: ServerPool) ->
     m = pool.metrics()
     assert sum(s["requests"] for s in m["servers"]) == 8
     assert all(s["sessions"] >= 1 for s in m["servers"])
+    pool.forget("s-a")  # the gateway's on_forget hook: an ended session's pin goes
+    assert "s-a" not in pool._pins and all("s-a" not in s.sessions for s in pool._slots)
 
 
 @pytest.mark.vllm

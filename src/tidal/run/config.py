@@ -453,10 +453,10 @@ def _toml_value(v: object) -> str:
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
-    return _toml_string(str(v))
+    return toml_string(str(v))
 
 
-def _toml_string(text: str) -> str:
+def toml_string(text: str) -> str:
     """A TOML basic string: quote and backslash escaped, control characters as \\uXXXX."""
     out = ['"']
     for ch in text:

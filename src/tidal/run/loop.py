@@ -227,6 +227,9 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
     store = LedgerStore(run_dir / "ledger.db")
     gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
                             lenient_tool_parsing=not cfg.engine.tool_parser_strict)
+    forget = getattr(engine, "forget", None)
+    if callable(forget):  # a server pool drops an ended session's pin with the gateway
+        gateway.gateway.on_forget.append(forget)
     url = gateway.start()
     outside = cfg.agent.harness == "builtin"  # harnesses inside the sandbox reach the gateway
     sandbox = SandboxConfig(allow_ports=() if outside else (gateway.port,),
@@ -289,7 +292,8 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
 
 def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     """Supervised steps on the training tasks' demonstrations (`warmstart.steps`);
-    then the engine gets the weights as version 1."""
+    then the engine gets the weights as the next version (none when nothing trained:
+    the base weights stay version 0)."""
     cfg = parts.cfg
     if state.warmstart_done:
         return state
