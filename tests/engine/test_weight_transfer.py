@@ -13,8 +13,8 @@ What runs without a GPU, and how:
   recorded broadcast replayed through a real vLLM worker's `init_weight_transfer_engine` /
   `start_weight_update` / `update_weights` / `finish_weight_update`, with only the NCCL
   group replaced by the replay.
-  The real server and the replay run by hand (`TIDAL_VLLM_PROTOCOL=1`, ~3 minutes), not in
-  every CI run; the parser and dataclass checks run whenever .venv-vllm exists.
+  These checks with vLLM's own code run by hand (`TIDAL_VLLM_PROTOCOL=1`, ~3 minutes), not
+  in every CI run (its 30-minute budget).
 - the real thing: `test_cuda_push_matches_transformers` (2 GPUs: NCCL refuses two ranks on
   one GPU; and a CUDA build of vLLM in .venv-vllm). It skips here.
 """
@@ -568,7 +568,7 @@ print("RESULT " + json.dumps({
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_parses_the_flags_and_payloads(model: Any, tiny_dir: Path, tmp_path: Path) -> None:
-    _need_vllm()
+    _need_protocol_run()
     metas = [tensor_meta(n, t, torch.bfloat16) for n, t in model.state_dict().items()]
     buffers = [1, 4_000_000, 20_000_000, 1 << 30]
     case = {
