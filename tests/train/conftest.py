@@ -9,12 +9,17 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from tidal.train.attention import enable_tree_attention
+from tidal.train.loss import LossConfig, per_path_loss
+from tidal.train.packing import pack_trees
+from tidal.train.synthetic import random_tree
+from tidal.train.trainer import KVCache, build_pair_terms, recompute_logprobs, tree_loss_backward
 from tidal.tree.types import TrainTree
 
 VOCAB = 512
 
 
-def tiny_qwen3(seed: int = 0) -> torch.nn.Module:
+def tiny_qwen3(seed: int = 0, *, tied: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=VOCAB,
@@ -24,6 +29,7 @@ def tiny_qwen3(seed: int = 0) -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
+        tie_word_embeddings=tied,
         attn_implementation="sdpa",
     )
     return Qwen3ForCausalLM(cfg).float()
@@ -43,6 +49,21 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     return Qwen2ForCausalLM(cfg).float()
 
 
+def random_trees(seed: int, n: int = 3, max_segments: int = 10) -> list[TrainTree]:
+    """`n` random trees of two norm groups each (short and long segments)."""
+    rng = np.random.default_rng(seed)
+    return [
+        random_tree(
+            rng,
+            f"s{seed}-{i}",
+            n_segments=int(rng.integers(1, max_segments)),
+            max_len=int(rng.choice([3, 16])),
+            n_groups=2,
+        )
+        for i in range(n)
+    ]
+
+
 @pytest.fixture(autouse=True)
 def _few_threads() -> None:
     torch.set_num_threads(2)
@@ -60,3 +81,65 @@ def with_rollout(trees: list[TrainTree], logprobs: list[list[np.ndarray]]) -> li
         )
         for ti, t in enumerate(trees)
     ]
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients of the trainable parameters (a LoRA model's adapters)."""
+    return {
+        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters() if p.requires_grad
+    }
+
+
+def compare_to_paths(
+    model: torch.nn.Module,
+    trees: list[TrainTree],
+    cfg: LossConfig,
+    max_tokens: int,
+    *,
+    attention: str = "blocks",
+    old_noise: float = 0.3,
+    ref_model: torch.nn.Module | None = None,
+) -> float:
+    """Tree loss/grads vs per-path; returns the loss.
+
+    Rollout log-probabilities are set to the model's plus noise (a realistic mismatch),
+    and the old ones perturbed too so that the PPO clip is active on some pairs.
+    """
+    enable_tree_attention(model)
+    batch = pack_trees(trees, max_tokens, q_chunk=7)
+    gen = torch.Generator().manual_seed(1)
+    true = recompute_logprobs(model, batch, attention=attention)
+    rollout = true + 0.2 * torch.randn(true.shape, generator=gen)
+    trees = with_rollout(trees, batch.to_segment_arrays(rollout.numpy()))
+    batch = pack_trees(trees, max_tokens, q_chunk=7)
+    cache = KVCache()
+    old = recompute_logprobs(model, batch, attention=attention, kv_cache=cache)
+    torch.testing.assert_close(old, true, rtol=0, atol=0)
+    old = old + old_noise * torch.randn(old.shape, generator=gen)
+    ref = None
+    ref_seg = None
+    if ref_model is not None:
+        ref = recompute_logprobs(ref_model, batch, attention=attention)
+        ref_seg = batch.to_segment_arrays(ref.numpy())
+    terms = build_pair_terms(batch, old, cfg, ref)
+    model.zero_grad()
+    loss, _ = tree_loss_backward(model, batch, terms, cfg, cache, attention=attention)
+    g_tree = _grads(model)
+    model.zero_grad()
+    ref_loss = per_path_loss(model, trees, batch.to_segment_arrays(old.numpy()), cfg, ref_seg)
+    ref_loss.backward()
+    g_path = _grads(model)
+    assert abs(ref_loss.item()) > 0
+    np.testing.assert_allclose(loss, ref_loss.item(), rtol=1e-5, atol=1e-8)
+    if cfg.correction in ("mis", "icepop", "seq_mis", "geo_mis"):
+        masked = float((terms.m_P == 0).float().mean())
+        assert 0 < masked < 1, masked  # the test exercises both kept and masked pairs
+    for name, g in g_path.items():
+        assert g.abs().max() > 0 or "q_norm" in name or "k_norm" in name, name
+        # fp32, different summation order: rtol 1e-5 per element, with an absolute floor
+        # of 1e-5 x the tensor's largest gradient; normwise error below 1e-5 as well
+        scale = g.abs().max().item()
+        torch.testing.assert_close(g_tree[name], g, rtol=1e-5, atol=1e-5 * scale)
+        assert (g_tree[name] - g).norm() <= 1e-5 * g.norm(), name
+    return loss

@@ -70,6 +70,34 @@ class Generation:
     top_logprobs: TopLogprobs | None = None
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A version's LoRA adapters, for engines that serve adapters over frozen base
+    weights (vLLM with `--enable-lora`) instead of merged weights. `tensors` are in
+    peft's saved-adapter names (`base_model.model.<module>.lora_A.weight`, no adapter
+    name); `write(out)` makes peft's adapter directory (adapter_config.json +
+    adapter_model.safetensors)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    def write(self, out: Path) -> Path:
+        import json
+
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.tensors.items()},
+                  str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": self.r, "lora_alpha": self.alpha,
+            "target_modules": list(self.targets), "lora_dropout": 0.0, "bias": "none",
+            "task_type": "CAUSAL_LM", "base_model_name_or_path": None}, indent=1))
+        return out
+
+
 class Weights:
     """New policy weights on their way from the trainer to an engine, in the form each
     engine needs, each made at most once: `tensors()` streams (name, full tensor) pairs
@@ -88,7 +116,9 @@ class Weights:
         directory: Path | None = None,
         write: Callable[[Path], None] | None = None,
         target: Path | None = None,
+        adapter: Adapter | None = None,
     ) -> None:
+        self.adapter = adapter  # LoRA: the adapters the merged tensors were made from
         self._tensors = tensors
         self._dir = directory
         self._write = write

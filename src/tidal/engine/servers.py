@@ -15,6 +15,16 @@ or attached by URL. What the pool adds to N clients:
   wrong weights (docs/engine.md), so a restart is the correct way on CPU; an attached
   server reloads in place (vLLM's dev routes) since tidal cannot restart it. On CUDA the
   collective path (`tidal.engine.weight_transfer`) broadcasts tensors instead;
+- with LoRA (`ServerSpec.lora_rank` > 0, `[train] lora` set) the servers run vLLM's
+  LoRA support over the frozen base checkpoint: an update whose `Weights` carry the
+  adapters (`Weights.adapter`) writes them once (under `log_dir/adapters/tidal-v<N>`),
+  loads them on every server as adapter `tidal-v<N>` and routes new requests to that
+  name: no restart, no merged checkpoint written. The previous version's adapter is
+  unloaded at a later update once no request of its server still uses it. A server
+  started later (a restart after a crash, a wake) loads the newest adapter before it
+  serves. Version 0, or an update without adapters, is served as today (the base name,
+  on the checkpoint it started on). If vLLM refuses an adapter, the pool falls back to
+  restarts on merged checkpoints for the rest of the run (`lora_fallback` says why);
 - a server can sleep (stopped: its memory freed) while its device trains, and wakes on
   the newest weights before it serves again (the scheduler's role switches call it);
 - a server that dies (killed, crashed) is seen at the next request: the request is
@@ -29,8 +39,10 @@ call, and the staleness bound reads them as for the embedded engine.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +73,24 @@ CUDA_ARGS: tuple[str, ...] = (
 )
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 LOG_TAIL = 3000  # characters of a server's log quoted in an error
+
+# LoRA (vLLM 0.32): the ranks --max-lora-rank accepts; adapters per batch (the newest
+# and the one before it, whose calls may still be in flight), adapters kept in memory.
+LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MAX_LORAS = 2
+MAX_CPU_LORAS = 3
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # /v1/load_lora_adapter
+ADAPTER_PREFIX = "tidal-v"  # adapter of version N: "tidal-vN"
+
+log = logging.getLogger(__name__)
+
+
+def lora_rank_arg(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that serves adapters of `rank`."""
+    for r in LORA_RANKS:
+        if r >= rank:
+            return r
+    raise EngineError(f"LoRA rank {rank} is above the largest vLLM serves ({LORA_RANKS[-1]})")
 
 
 def check_vllm(python: str, key: str = "engine.vllm_python") -> None:
@@ -105,6 +135,14 @@ class ServerSpec:
     start_timeout_s: float = 600.0
     gpu_offset: int = 0  # 1 when the trainer keeps GPU 0 to itself (the collective path)
     env: tuple[tuple[str, str], ...] = ()  # added to the server's environment
+    lora_rank: int = 0  # LoRA adapters up to this rank are served (0: none, merged weights)
+    lora_base: Path | None = None  # the checkpoint adapters apply to (None: the start one)
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise EngineError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_rank:
+            lora_rank_arg(self.lora_rank)
 
 
 class VLLMServer:
@@ -133,12 +171,15 @@ class VLLMServer:
     def command(self, weights_dir: Path) -> list[str]:
         s = self.spec
         own = CPU_ARGS if s.device == "cpu" else CUDA_ARGS
+        lora = ("--enable-lora", "--max-lora-rank", str(lora_rank_arg(s.lora_rank)),
+                "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_CPU_LORAS),
+                ) if s.lora_rank else ()
         return [
             s.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(weights_dir), "--tokenizer", str(s.tokenizer_dir),
             "--served-model-name", s.served_name, "--host", "127.0.0.1",
             "--port", str(self.port), "--max-model-len", str(s.max_model_len),
-            *own, *s.args,
+            *own, *lora, *s.args,
         ]  # fmt: skip
 
     def start(self, weights_dir: Path) -> None:
@@ -153,6 +194,8 @@ class VLLMServer:
             env.update(CPU_ENV)
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(self.index + self.spec.gpu_offset)
+        if self.spec.lora_rank:
+            env.update(LORA_ENV)
         env.update(dict(self.spec.env))
         with self.log_path.open("ab") as log:
             log.write(f"\n=== tidal: starting on {weights_dir} ===\n".encode())
@@ -226,6 +269,7 @@ class _Slot:
     busy_s: float = 0.0
     restarts: int = 0
     version: int = 0
+    adapters: list[str] = field(default_factory=list)  # loaded on `server`, oldest first
     sessions: set[str] = field(default_factory=set)
     lifecycle: threading.Lock = field(default_factory=threading.Lock)  # one start/stop at once
 
@@ -251,6 +295,15 @@ class ServerPool:
         self.wait_timeout_s = 600.0
         self._collective: Any = None  # a CollectiveWeightSync on CUDA (see `start`)
         self._pending: Weights | None = None  # pushed over NCCL, not yet written
+        # LoRA (`start` with `spec.lora_rank`): the base adapters apply to, where they are
+        # written, the one served now (name, directory; None: the weights themselves),
+        # the newest weights (their merged checkpoint is written only on a fallback)
+        self._lora_base: Path | None = None
+        self._lora_dir: Path | None = None
+        self._lora_rank = 0
+        self._adapter: tuple[str, Path] | None = None
+        self._latest: Weights | None = None
+        self.lora_fallback: str | None = None  # why adapters are no longer used
 
     # -- construction -------------------------------------------------------------------
 
@@ -264,7 +317,8 @@ class ServerPool:
         join an NCCL group with the trainer and weights are broadcast (`weight_transfer`);
         otherwise they restart on each new checkpoint, as on CPU."""
         check_vllm(spec.python)
-        collective = spec.device == "cuda" and _gpus() > n
+        # with LoRA the adapters move (a few MB), not the weights: no NCCL group
+        collective = spec.device == "cuda" and _gpus() > n and not spec.lora_rank
         if collective:
             from tidal.engine.weight_transfer import server_args, server_env
 
@@ -273,6 +327,10 @@ class ServerPool:
         pool = cls([_Slot(i, spec) for i in range(n)], spec.served_name,
                    policy_version=policy_version, weights_dir=weights_dir)
         pool.wait_timeout_s = spec.start_timeout_s
+        if spec.lora_rank:
+            pool._lora_base = spec.lora_base or weights_dir
+            pool._lora_dir = spec.log_dir / "adapters"
+            pool._lora_rank = lora_rank_arg(spec.lora_rank)
         t0 = time.perf_counter()
         try:
             pool._each(pool._slots, lambda s: pool._start(s, keep_serving=False))
@@ -468,13 +526,22 @@ class ServerPool:
                 self._weights_dir = directory
 
     def _start(self, slot: _Slot, *, keep_serving: bool) -> None:
-        """A new server process on the newest weights. With `keep_serving`, the old one
-        serves until the new one is up (then its requests finish and it stops): a weight
-        update with no pause. A failed start leaves the old one serving (or the slot down)."""
+        """A new server process on the newest weights (with LoRA: on the base, the newest
+        adapter loaded before it serves; if vLLM refuses the adapter, on the merged
+        checkpoint, as for the rest of the run). With `keep_serving`, the old one serves
+        until the new one is up (then its requests finish and it stops): a weight update
+        with no pause. A failed start leaves the old one serving (or the slot down)."""
+        try:
+            self._start_once(slot, keep_serving=keep_serving)
+        except _LoraError as e:
+            self._lora_off(str(e))
+            self._start_once(slot, keep_serving=keep_serving)
+
+    def _start_once(self, slot: _Slot, *, keep_serving: bool) -> None:
         assert slot.spec is not None
         self._drop_collective()
         with self._cond:
-            directory, version = self._weights_dir, self._version
+            directory, version, adapter = self._weights_dir, self._version, self._adapter
             if not keep_serving:
                 slot.state = "starting"
         assert directory is not None
@@ -483,6 +550,13 @@ class ServerPool:
             new.start(directory)
             new.wait_ready()
             client = VLLMEngine(new.url, self._model_name, policy_version=version)
+            if adapter is not None:
+                try:
+                    client.load_adapter(*adapter)
+                except EngineError as e:
+                    client.close()
+                    raise _LoraError(str(e)) from None
+                client.serve(adapter[0], version)
         except BaseException:
             new.stop()
             with self._cond:
@@ -496,6 +570,7 @@ class ServerPool:
             return
         old_server, old_client = slot.server, slot.client
         slot.server = new
+        slot.adapters = [adapter[0]] if adapter is not None else []
         self._swap(slot, old_client, client, version)
         if old_client is not None:
             old_client.close()
@@ -532,11 +607,21 @@ class ServerPool:
     def update_weights(self, source: Weights | str | Path, version: int) -> None:
         """New weights on every server. A started server is replaced by one started on the
         checkpoint (all at once; each keeps serving the old weights until its successor
-        is up); an asleep one starts on it when it wakes; an attached one reloads in place."""
+        is up); an asleep one starts on it when it wakes; an attached one reloads in place.
+        With LoRA, `Weights` that carry adapters are loaded as adapters instead (no
+        restart, no checkpoint: `_update_adapter`)."""
         if version < 0:
             raise EngineError(f"policy version must be >= 0, got {version}")
         t0 = time.perf_counter()
         weights = as_weights(source)
+        if self._lora_base is not None and self.lora_fallback is None \
+                and weights.adapter is not None:
+            try:
+                self._update_adapter(weights, int(version))
+                self.last_sync_s = time.perf_counter() - t0
+                return
+            except _LoraError as e:
+                self._lora_off(str(e))  # and the merged checkpoint, as below
         if self._collective is not None and all(s.state == "up" for s in self._slots):
             self._collective.push(weights, version)  # no file, no restart
             with self._cond:
@@ -552,6 +637,7 @@ class ServerPool:
         directory = weights.directory()
         with self._cond:
             self._weights_dir, self._version = directory, int(version)
+            self._adapter, self._latest = None, None
 
         def one(slot: _Slot) -> None:
             if slot.spec is None:
@@ -565,6 +651,90 @@ class ServerPool:
 
         self._each(self._slots, one)
         self.last_sync_s = time.perf_counter() - t0
+
+    def _update_adapter(self, weights: Weights, version: int) -> None:
+        """LoRA: the adapters of `weights` on every server, no restart. Written once; each
+        server that runs on the base loads them and routes its new requests to them (its
+        requests in flight finish on the adapter they started with); one on other weights
+        (the merged checkpoint a resumed run started on) restarts on the base with them;
+        an asleep one loads them when it wakes. A `_LoraError` if vLLM refuses them."""
+        adapter = weights.adapter
+        assert adapter is not None and self._lora_dir is not None
+        self._latest = weights  # a fallback writes their merged checkpoint
+        if adapter.r > self._lora_rank:
+            raise _LoraError(f"the adapters have rank {adapter.r}; the servers were started "
+                             f"with --max-lora-rank {self._lora_rank}")
+        name = f"{ADAPTER_PREFIX}{version}"
+        path = adapter.write(self._lora_dir / name)
+        with self._cond:
+            self._weights_dir, self._version = self._lora_base, version
+            self._adapter = (name, path)
+
+        def one(slot: _Slot) -> None:
+            with slot.lifecycle:
+                server, client = slot.server, slot.client
+                if slot.state == "asleep":
+                    return  # it wakes on the base with these adapters
+                if slot.state != "up" or server is None or client is None \
+                        or server.weights_dir != self._lora_base:
+                    self._start(slot, keep_serving=slot.state == "up")
+                    return
+                try:
+                    client.load_adapter(name, path)
+                except EngineError as e:
+                    if server.alive and _answers(slot.url):
+                        raise _LoraError(str(e)) from None
+                    self._start(slot, keep_serving=False)  # it died meanwhile
+                    return
+                client.serve(name, version)
+                with self._cond:
+                    slot.version = version
+                slot.adapters.append(name)
+                self._unload_unused(slot, client, name)
+
+        self._each(self._slots, one)
+        self._remove_adapter_dirs()
+
+    @staticmethod
+    def _unload_unused(slot: _Slot, client: VLLMEngine, current: str) -> None:
+        """The adapters of older versions that no request on `client` uses any more go
+        from its server (the others at a later update). Holds the slot's lifecycle."""
+        keep = []
+        for old in slot.adapters:
+            if old == current or client.in_use(old):
+                keep.append(old)
+                continue
+            try:
+                client.unload_adapter(old)
+            except EngineError:
+                keep.append(old)
+        slot.adapters = keep
+
+    def _remove_adapter_dirs(self) -> None:
+        """The adapter directories no server has loaded, but the one served now."""
+        if self._lora_dir is None or not self._lora_dir.is_dir():
+            return
+        with self._cond:
+            keep = {n for s in self._slots for n in s.adapters}
+            if self._adapter is not None:
+                keep.add(self._adapter[0])
+        for d in self._lora_dir.glob(f"{ADAPTER_PREFIX}*"):
+            if d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _lora_off(self, reason: str) -> None:
+        """vLLM refused an adapter: from now on the servers restart on merged checkpoints
+        (the newest version's is written now) as they do without LoRA."""
+        log.warning("vLLM LoRA adapters are not used from now on (%s): servers restart on "
+                    "merged checkpoints", reason)
+        directory = None
+        if self._latest is not None:
+            with contextlib.suppress(EngineError):  # tensors only: the update path says so
+                directory = self._latest.directory()
+        with self._cond:
+            self.lora_fallback = reason
+            if directory is not None and self._adapter is not None:
+                self._weights_dir, self._adapter = directory, None
 
     def sleep(self, index: int) -> None:
         """Stop started server `index` (its device trains): its memory is freed, its
@@ -580,6 +750,7 @@ class ServerPool:
                 while slot.inflight or slot.retired:
                     self._cond.wait(timeout=1.0)
                 server, client, slot.server, slot.client = slot.server, slot.client, None, None
+                slot.adapters = []
             if client is not None:
                 client.close()
             if server is not None:
@@ -665,6 +836,10 @@ class ServerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _LoraError(EngineError):
+    """vLLM refused a LoRA adapter (the pool then falls back to merged checkpoints)."""
 
 
 def _gpus() -> int:

@@ -26,6 +26,15 @@ version (`/update_weight_version`) and resumes. Without dev mode those routes ar
 and `update_weights` raises a clear `EngineError`. vLLM's NCCL/IPC weight-transfer engines
 (`/init_weight_transfer_engine`, `/update_weights`) need GPUs and are not used here.
 
+LoRA adapters (a server started with `--enable-lora` and the environment
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`): `load_adapter(name, dir)` loads a peft adapter
+directory under `name` (`/v1/load_lora_adapter`: the server reads it into its adapter
+cache at once), `serve(name, version)` makes later requests name it as their `model`
+(so vLLM applies it over the served base weights) and carry `version`, and
+`unload_adapter(name)` drops the name (`/v1/unload_lora_adapter`) once `in_use(name)`
+says no request of this client still uses it. `serve(model_name, v)` goes back to the
+base model.
+
 Deliberately simplified: one HTTP request per prompt (sent concurrently), no streaming,
 no retries (a failed request raises `EngineError`).
 """
@@ -79,13 +88,17 @@ class VLLMEngine:
             raise EngineError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self._base = base_url.rstrip("/")
         self._model_name = model_name
-        self._version = int(policy_version)
+        # what a request names as its model (the base, or a LoRA adapter) and the version
+        # its generations carry: one tuple, so a request reads both from one update
+        self._serving = (model_name, int(policy_version))
+        self._uses: dict[str, int] = {}  # requests in flight per model name
         self._logprobs_mode = logprobs_mode
         self._check_local_paths = check_local_paths
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self._base, timeout=timeout_s, headers=headers)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # `_serving` and `_uses`
+        self._reload_lock = threading.Lock()  # one in-place reload at once
         card = self._model_card()
         self._max_context = int(card.get("max_model_len") or 0)
         if self._max_context <= 0:
@@ -102,11 +115,46 @@ class VLLMEngine:
     def set_version(self, version: int) -> None:
         """The version later generations carry, after weights reached the server another
         way (a collective broadcast: `tidal.engine.weight_transfer`)."""
-        self._version = int(version)
+        with self._lock:
+            self._serving = (self._serving[0], int(version))
+
+    def serve(self, model: str, version: int) -> None:
+        """Later requests name `model` (the base model's served name, or a LoRA adapter
+        loaded on the server with `load_adapter`) and their generations carry `version`."""
+        with self._lock:
+            self._serving = (model, int(version))
+
+    @property
+    def serving(self) -> str:
+        """The model name requests use now (the base, or a LoRA adapter's name)."""
+        return self._serving[0]
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._serving[1]
+
+    def in_use(self, model: str) -> int:
+        """Requests of this client in flight that name `model`."""
+        with self._lock:
+            return self._uses.get(model, 0)
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load the peft LoRA adapter directory `path` (visible to the server) as `name`."""
+        if self._check_local_paths and not (Path(path) / "adapter_config.json").exists():
+            raise EngineError(f"load_adapter: no adapter_config.json in {path}")
+        self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                   what=f"load the LoRA adapter {name} from {path}")
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop adapter `name` from the server (one it does not have is not an error)."""
+        try:
+            resp = self._http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        except httpx.HTTPError as e:
+            raise EngineError(f"vLLM at {self._base}: cannot unload the LoRA adapter {name}: "
+                              f"{e}") from e
+        if resp.status_code not in (200, 404):
+            raise EngineError(f"vLLM at {self._base}: cannot unload the LoRA adapter {name}: "
+                              f"HTTP {resp.status_code}: {resp.text[:500]}")
 
     @property
     def max_context(self) -> int:
@@ -128,9 +176,17 @@ class VLLMEngine:
                 "--logprobs-mode processed_logprobs"
             )
         checked = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
-        version = self._version
-        bodies = [self._body(p, params, i) for i, p in enumerate(checked)]
-        results = list(self._pool.map(self._complete, bodies))
+        with self._lock:
+            model, version = self._serving
+            self._uses[model] = self._uses.get(model, 0) + 1
+        try:
+            bodies = [self._body(p, params, i, model) for i, p in enumerate(checked)]
+            results = list(self._pool.map(self._complete, bodies))
+        finally:
+            with self._lock:
+                self._uses[model] -= 1
+                if not self._uses[model]:
+                    del self._uses[model]
         return [
             Generation(
                 output_ids=np.asarray(ids, dtype=np.int32),
@@ -154,7 +210,7 @@ class VLLMEngine:
                 f"update_weights: no *.safetensors checkpoint at {source} (pass "
                 "check_local_paths=False if the server sees a filesystem this process does not)"
             )
-        with self._lock:
+        with self._reload_lock:
             self._post("/pause", params={"mode": "wait"}, what="pause generation")
             try:
                 self._post(
@@ -168,7 +224,7 @@ class VLLMEngine:
                     json={"new_version": str(version)},
                     what="set the weight version",
                 )
-                self._version = int(version)
+                self.serve(self._model_name, version)
             finally:
                 self._post("/resume", what="resume generation")
 
@@ -215,9 +271,10 @@ class VLLMEngine:
             )
         return [int(x) for x in arr.tolist()]
 
-    def _body(self, prompt: list[int], params: SamplingParams, index: int) -> dict[str, Any]:
+    def _body(self, prompt: list[int], params: SamplingParams, index: int,
+              model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self._model_name,
+            "model": model,
             "prompt": prompt,
             # vLLM refuses prompt + max_tokens > max_model_len; clamp like the embedded engine.
             "max_tokens": min(params.max_tokens, self._max_context - len(prompt)),
@@ -268,6 +325,11 @@ class VLLMEngine:
             resp = self._http.post(path, json=json, params=params)
         except httpx.HTTPError as e:
             raise EngineError(f"vLLM at {self._base}: cannot {what}: {e}") from e
+        if resp.status_code == 404 and path == "/v1/load_lora_adapter":
+            raise EngineError(
+                f"vLLM at {self._base} has no {path} route: LoRA adapters need the server "
+                "started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            )
         if resp.status_code == 404 and not path.startswith("/v1/"):
             raise EngineError(
                 f"vLLM at {self._base} has no {path} route: weight updates need the server "

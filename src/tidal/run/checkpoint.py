@@ -13,9 +13,7 @@ import json
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, Protocol
 
 CHECKPOINT = "checkpoint"
 
@@ -37,17 +35,21 @@ class RunState:
         return replace(self, **changes)
 
 
-def save_checkpoint(
-    run_dir: Path, model: Any, optimizer: torch.optim.Optimizer | None, state: RunState
-) -> None:
+class Saves(Protocol):
+    def save(self, out: Path) -> None: ...
+
+
+def save_checkpoint(run_dir: Path, trainer: Saves, state: RunState) -> None:
+    """`trainer.save` writes the weights (a transformers checkpoint: what the engine
+    loads on resume) and the training state (`train_state/`: model and optimizer
+    through torch.distributed.checkpoint, sharded when the trainer has ranks, loadable
+    at any world size); then the loop's progress, and the atomic rename."""
     tmp = run_dir / f"{CHECKPOINT}.tmp"
     final = run_dir / CHECKPOINT
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    trainer.save(tmp)
     (tmp / "state.json").write_text(json.dumps(asdict(state), indent=1))
     old = run_dir / f"{CHECKPOINT}.old"
     if final.exists():

@@ -64,13 +64,25 @@ def _value_at(cfg: RunConfig, key: str) -> object:
     return value
 
 
+# keys a resumed run may change: where the trainer runs, not what it trains (its sharded
+# state loads at any world size)
+RESUME_LAYOUT = ("world_size", "nodes", "threads")
+
+
 def _resumed_config(saved: Path, given: Path | None) -> RunConfig:
-    """The run's own saved config; a CONFIG given with --resume must equal it."""
-    from tidal.run.config import first_difference, load_config
+    """The run's own saved config; a CONFIG given with --resume must equal it, except
+    for the trainer's layout (`train.world_size`, `nodes`, `threads`), which it sets."""
+    from tidal.run.config import RunConfig, first_difference, load_config
 
     cfg = load_config(saved)
     if given is not None:
         other = load_config(given)
+        layout = {k: getattr(other.train, k) for k in RESUME_LAYOUT}
+        try:
+            cfg = RunConfig.model_validate({**cfg.model_dump(),
+                                            "train": {**cfg.train.model_dump(), **layout}})
+        except ValueError as e:
+            raise RunInputError(f"--resume with {given}: {e}") from None
         key = first_difference(other, cfg)
         if key is not None:
             here, there = _value_at(other, key), _value_at(cfg, key)
@@ -130,6 +142,34 @@ def prepare_run(config: Path | None, out: Path | None, *, resume: bool,
     return Prepared(cfg, out or runs / time.strftime("run-%Y%m%d-%H%M%S"), source)
 
 
+def _torchrun_rank() -> int:
+    """This process's rank when torchrun started it (RANK and WORLD_SIZE set), else 0."""
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1:
+        return 0
+    return int(os.environ.get("RANK", "0"))
+
+
+def _serve_rank(config: Path | None, out: Path | None, *, resume: bool, rank: int) -> None:
+    """Rank > 0 of `tidal run` under torchrun: build the trainer rank 0 builds (the same
+    config, the same checkpoint) and serve it; rank 0 runs everything else."""
+    from tidal.engine.tiny import ensure_tiny, resolve_model
+    from tidal.run import components
+    from tidal.run.checkpoint import find_checkpoint
+    from tidal.run.config import load_config
+    from tidal.train.group import serve
+
+    if out is None:
+        raise RunInputError("tidal run under torchrun needs --out (every rank must find the "
+                            "same run directory)")
+    cfg = _resumed_config(out / "config.toml", config) if resume else load_config(config)
+    ckpt = find_checkpoint(out) if resume else None
+    base = ensure_tiny(seed=cfg.model.seed) if cfg.model.name == "tiny" else \
+        resolve_model(cfg.model.name)
+    device = components.resolve_device(cfg.model.device)
+    spec = components.trainer_spec(cfg, ckpt or base, ckpt, device=device)
+    serve(spec, rank, int(os.environ["WORLD_SIZE"]))
+
+
 def _discard_unstarted(out: Path, made: bool) -> None:
     """Remove the run directory this command made for a run that never started (no
     config.toml yet), so that nothing is left to get in a retry's way."""
@@ -153,6 +193,14 @@ def run_cmd(
     from tidal.run.config import ConfigError
     from tidal.run.progress import say
 
+    rank = _torchrun_rank()
+    if rank > 0:  # under torchrun: this process is one more trainer rank
+        try:
+            _serve_rank(config, out, resume=resume, rank=rank)
+        except (ConfigError, RunInputError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from e
+        return
     try:
         plan = prepare_run(config, out, resume=resume)
     except (ConfigError, RunInputError) as e:

@@ -14,7 +14,9 @@ editing it:
 - engine (`engine.kind`): embedded, vllm (servers started or attached); module:attr is
   fn(weights_dir, **options) -> Engine;
 - scheduler backend (`schedule.backend`): local; module:attr is fn(devices, slots) ->
-  Backend.
+  Backend;
+- trainer (`[train]`): one process, or FSDP2 ranks launched here, on Ray, or by
+  torchrun (`make_trainer`).
 
 The config validates names when it is read (`check_*`); objects are imported and built
 when the run starts (`make_*`), with errors that name the key.
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from tidal.run.config import RunConfig, TasksConfig
     from tidal.schedule.backend import SwitchHook
     from tidal.schedule.scheduler import Scheduler
+    from tidal.train.group import TrainerGroup, TrainerSpec
 
 BUILTIN_TASK_SOURCES: tuple[str, ...] = (*TASK_SETS, *HARBOR_SETS)
 BUILTINS: dict[str, tuple[str, ...]] = {
@@ -272,10 +275,15 @@ def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_versio
         try:
             if e.urls:
                 return ServerPool.attach(e.urls, model_name, policy_version=policy_version)
+            # LoRA: the servers serve the trainer's adapters over the base checkpoint
+            # (`tokenizer_dir` is it; `weights_dir` is the merged one on a resume)
+            lora = cfg.train.lora
             spec = ServerSpec(python=e.vllm_python or sys.executable, tokenizer_dir=tokenizer_dir,
                               served_name=model_name, log_dir=run_dir / "vllm",
                               max_model_len=e.max_model_len, device=device,
-                              args=tuple(e.vllm_args), start_timeout_s=e.start_timeout_s)
+                              args=tuple(e.vllm_args), start_timeout_s=e.start_timeout_s,
+                              lora_rank=lora.r if lora is not None else 0,
+                              lora_base=tokenizer_dir if lora is not None else None)
             return ServerPool.start(spec, e.servers, weights_dir, policy_version=policy_version)
         except EngineError as err:
             raise ComponentError(f"engine.kind = \"vllm\": {err}") from None
@@ -320,3 +328,96 @@ def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
     )
     return Scheduler(backend, policy_named(s.policy, train_devices=s.train_devices,
                                            mean_group_s=mean_group_s), config)
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+def resolve_device(name: str) -> str:
+    """`model.device`: "auto" is CUDA when there is one, else the CPU."""
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def trainer_spec(cfg: RunConfig, weights_dir: Path, ckpt: Path | None, *,
+                 device: str) -> TrainerSpec:
+    """The trainer every rank builds: `[train]` (ranks, LoRA, activation checkpointing)
+    and `[rl]` (loss, learning rate, stream size), from `weights_dir`, continuing the
+    training state of `ckpt` when it has one."""
+    import os
+
+    from tidal.train.group import TRAIN_STATE, TrainerSpec
+    from tidal.train.lora import LoraSpec
+    from tidal.train.loss import LossConfig
+
+    t = cfg.train
+    state = ckpt / TRAIN_STATE if ckpt is not None else None
+    threads = t.threads or max(1, (os.cpu_count() or 1) // t.world_size)
+    lora = LoraSpec(r=t.lora.r, alpha=t.lora.alpha, dropout=t.lora.dropout,
+                    targets=t.lora.targets) if t.lora is not None else None
+    return TrainerSpec(
+        weights_dir=str(weights_dir.resolve()), device=device, lr=cfg.rl.lr,
+        loss=LossConfig(clip_low=cfg.rl.clip_eps, clip_high=cfg.rl.clip_eps,
+                        correction=cfg.rl.correction),
+        max_tokens=cfg.rl.max_tokens_per_stream,
+        attention="consistent" if cfg.rl.numerics == "consistent" else "auto",
+        world_size=t.world_size, nodes=t.nodes, lora=lora,
+        activation_checkpointing=t.activation_checkpointing,
+        state_dir=str(state.resolve()) if state is not None and state.exists() else None,
+        threads=threads if t.world_size > 1 else t.threads)
+
+
+def check_trainer(cfg: RunConfig, weights_dir: Path, *, device: str) -> None:
+    """What the machine must have for `[train]`, checked before anything starts: as
+    many devices (CUDA) or cores (CPU) as ranks on this node, and LoRA targets that the
+    model has (on a skeleton of it: nothing loads)."""
+    import os
+
+    t = cfg.train
+    per_node = t.world_size // t.nodes
+    if t.nodes == 1 and t.world_size > 1:
+        if device.startswith("cuda"):
+            import torch
+
+            n = torch.cuda.device_count()
+            if per_node > n:
+                raise ComponentError(f"train.world_size = {t.world_size} needs {per_node} "
+                                     f"GPUs on this machine; it has {n}")
+        elif per_node > (os.cpu_count() or 1):
+            raise ComponentError(f"train.world_size = {t.world_size} ranks exceed this "
+                                 f"machine's {os.cpu_count()} CPU cores (one rank per core)")
+    if t.lora is not None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from tidal.train.lora import LoraError, LoraSpec, check_targets
+
+        config = AutoConfig.from_pretrained(weights_dir)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        try:
+            check_targets(skeleton, LoraSpec(r=t.lora.r, alpha=t.lora.alpha,
+                                             dropout=t.lora.dropout, targets=t.lora.targets))
+        except LoraError as e:
+            raise ComponentError(str(e)) from None
+
+
+def make_trainer(spec: TrainerSpec, *, run_dir: Path) -> TrainerGroup:
+    """The trainer's ranks, started: one in this process, or `train.world_size` with
+    FSDP2 (processes here when `train.nodes = 1`, Ray actors when more; under torchrun
+    the ranks it started). Rank logs go to RUN_DIR/trainer/."""
+    import os
+
+    from tidal.train.group import TrainerGroup
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and spec.world_size > 1:
+        if int(os.environ["WORLD_SIZE"]) != spec.world_size:
+            raise ComponentError(f"train.world_size = {spec.world_size} but torchrun started "
+                                 f"{os.environ['WORLD_SIZE']} ranks")
+        launch = "attached"
+    else:
+        launch = "ray" if spec.nodes > 1 else "processes"
+    return TrainerGroup(spec, launch=launch, log_dir=run_dir / "trainer").start()

@@ -273,6 +273,39 @@ class RLConfig(_Section):
     )
 
 
+class LoraConfig(_Section):
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="adapter scale numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input in "
+                           "the gradient pass (0: the exactness guarantees hold)")
+    targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"),
+                                     description="Linear module names (suffixes) to adapt")
+
+
+class TrainConfig(_Section):
+    world_size: int = Field(1, ge=1, description="trainer ranks (FSDP2; gloo on CPU, NCCL on "
+                            "CUDA); tidal run starts them itself")
+    nodes: int = Field(1, ge=1, description="machines the ranks span: more than 1 places them "
+                       "as Ray actors on the Ray cluster (docs/scale.md)")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of "
+                                    "the whole model: {r, alpha, dropout, targets}")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in backward (less memory for "
+        "long contexts, about one more forward)")
+    threads: int = Field(0, ge=0, description="torch threads per trainer rank (0: the "
+                         "machine's cores divided among the ranks)")
+
+    @model_validator(mode="after")
+    def _layout(self) -> TrainConfig:
+        if self.world_size % self.nodes:
+            raise ValueError(f"train.world_size ({self.world_size}) must be a multiple of "
+                             f"train.nodes ({self.nodes}): each node runs as many ranks")
+        if self.nodes > self.world_size:
+            raise ValueError(f"train.nodes ({self.nodes}) exceeds train.world_size "
+                             f"({self.world_size})")
+        return self
+
+
 class EvalConfig(_Section):
     every: int = Field(15, ge=1, description="evaluate on held-out tasks every N RL steps")
     samples: int = Field(4, ge=1, description="sessions per held-out task (success: their mean)")
@@ -307,6 +340,7 @@ class RunConfig(_Section):
     schedule: ScheduleConfig = ScheduleConfig()
     warmstart: WarmstartConfig = WarmstartConfig()
     rl: RLConfig = RLConfig()
+    train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
 
@@ -351,7 +385,26 @@ class RunConfig(_Section):
             )
         if self.rl.steps == 0 and self.warmstart.steps == 0:
             raise ValueError("nothing to do: warmstart.steps and rl.steps are both 0")
+        self._train_layout()
         return self
+
+    def _train_layout(self) -> None:
+        """Layouts that cannot train across `train.world_size` ranks (the machine's own
+        limits, devices and cores, are checked when the run starts)."""
+        world = self.train.world_size
+        if world == 1:
+            return
+        if self.rollout.tasks_per_step < world:
+            raise ValueError(
+                f"rollout.tasks_per_step ({self.rollout.tasks_per_step}) cannot give each of "
+                f"train.world_size = {world} ranks a tree: make it at least {world}")
+        if self.warmstart.steps and self.warmstart.batch_size < world:
+            raise ValueError(
+                f"warmstart.batch_size ({self.warmstart.batch_size}) cannot give each of "
+                f"train.world_size = {world} ranks a demonstration")
+        if self.rl.numerics == "consistent":
+            raise ValueError("rl.numerics = \"consistent\" trains in one process: set "
+                             "train.world_size = 1")
 
 
 def _format_error(e: ValidationError, source: str) -> str:
@@ -440,11 +493,14 @@ def dump_config(cfg: RunConfig) -> str:
             continue
         out.append(f"\n[{name}]")
         for key, value in section:
-            out.append(f"{key} = {_toml_value(value)}")
+            if value is not None:  # TOML has no null: an absent key reads as None
+                out.append(f"{key} = {_toml_value(value)}")
     return "\n".join(out) + "\n"
 
 
 def _toml_value(v: object) -> str:
+    if isinstance(v, BaseModel):  # a table inside a section (`train.lora`)
+        return _toml_value(v.model_dump())
     if isinstance(v, dict):
         return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, tuple | list):

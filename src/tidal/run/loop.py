@@ -11,11 +11,12 @@
     summary      held-out again -> success_rate_end, `tidal verify`, summary.json
 
 Every component is chosen by name in `tidal.run.components` (task source, harness,
-sandbox runtime, engine, scheduler backend); this file only wires them. The trainer's
-model and the engine's are two copies of the same weights (both loaded by
-`load_policy_model`); after each update the engine gets the new weights and version
-through `Engine.update_weights` (in process for the embedded engine; a checkpoint for
-vLLM servers, which restart on it). Rollouts go through the
+sandbox runtime, engine, scheduler backend, trainer); this file only wires them. The
+trainer (`tidal.train.group.TrainerGroup`: one rank in this process, or FSDP2 ranks)
+and the engine hold two copies of the same weights; after each update the engine gets
+the trainer's full weights (gathered from the ranks, LoRA merged) and version through
+`Engine.update_weights` (in process for the embedded engine; a checkpoint for vLLM
+servers, which restart on it). Rollouts go through the
 elastic scheduler (`tidal.schedule`): task groups are its work items, a full batch of
 groups is one step, and the policy (`schedule.policy`) decides whether rollouts and
 training overlap (elastic, the default; async) within the staleness bound
@@ -41,8 +42,7 @@ import torch
 from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
 from tidal.agent.tasks import Demonstration, Task, TaskError, demonstrations, taught
-from tidal.engine.base import Weights
-from tidal.engine.model import load_policy_model
+from tidal.engine.base import Adapter, Weights
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
@@ -58,21 +58,14 @@ from tidal.sandbox.types import Bind
 from tidal.schedule.backend import Work
 from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
-from tidal.train.loss import LossConfig
-from tidal.train.trainer import TreeTrainer
-from tidal.train.warmstart import render_all, warm_start
+from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
+from tidal.train.warmstart import render_all
 from tidal.tree import process_store
 from tidal.tree.html import render_episode_html
 
 
 class RunError(RuntimeError):
     """The run cannot start or continue (bad run directory, missing checkpoint, ...)."""
-
-
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def _cpu_seconds() -> float:
@@ -89,8 +82,6 @@ class Parts:
 
     cfg: RunConfig
     run_dir: Path
-    policy: Any
-    optimizer: torch.optim.Optimizer
     tokenizer: Any
     engine: Any
     store: LedgerStore
@@ -99,14 +90,14 @@ class Parts:
     heldout: list[Task]
     rollouts: Rollouts
     evals: Rollouts
-    trainer: TreeTrainer
+    trainer: TrainerGroup
     log: RunLog
     t_start: float
     earlier_s: float  # wall clock of attempts before this one (a resume)
 
     def checkpoint(self, st: RunState) -> RunState:
         st = st.advance(elapsed_s=self.earlier_s + time.time() - self.t_start)
-        save_checkpoint(self.run_dir, self.policy, self.optimizer, st)
+        save_checkpoint(self.run_dir, self.trainer, st)
         return st
 
     def sync_engine(self, version: int) -> float:
@@ -115,7 +106,14 @@ class Parts:
         written once); older checkpoints there are removed. Returns the seconds taken."""
         t0 = time.perf_counter()
         out = self.run_dir / "weights" / f"v{version}"
-        self.engine.update_weights(Weights.of_model(self.policy, out), version)
+        sd = self.trainer.state_dict()  # gathered from the ranks, LoRA merged
+        config = self.trainer.config
+        lora = self.trainer.spec.lora
+        adapter = Adapter(self.trainer.adapters(), r=lora.r, alpha=lora.alpha,
+                          targets=lora.targets) if lora is not None else None
+        self.engine.update_weights(
+            Weights(lambda: iter(sd.items()), target=out, adapter=adapter,
+                    write=lambda d: write_checkpoint(d, sd, config)), version)
         for old in (self.run_dir / "weights").glob("v*"):
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
@@ -146,6 +144,7 @@ class Parts:
     def close(self) -> None:
         self.gateway.stop()
         self.engine.close()
+        self.trainer.close()
 
 
 def _agent_config(cfg: RunConfig) -> AgentConfig:
@@ -173,12 +172,16 @@ def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> 
             if components.is_attr(value):
                 components.load_attr(value, key)
         components.check_engine(cfg)
+        base_dir = (ensure_tiny(seed=cfg.model.seed) if cfg.model.name == "tiny"
+                    else resolve_model(cfg.model.name))
+        components.check_trainer(cfg, base_dir, device=components.resolve_device(cfg.model.device))
     except (TaskError, components.ComponentError) as e:
         raise RunError(str(e)) from e
     log = _open_log(cfg, run_dir, resume=ckpt is not None or state.step > 0)
     try:
         return _build(cfg, run_dir, state, ckpt, t_start=t_start, tasks=tasks, harness=harness,
-                      eval_harness=eval_harness, new_runtime=new_runtime, log=log)
+                      eval_harness=eval_harness, new_runtime=new_runtime, log=log,
+                      base_dir=base_dir)
     except BaseException:
         log.close(failed=True)
         raise
@@ -197,7 +200,7 @@ def _open_log(cfg: RunConfig, run_dir: Path, *, resume: bool) -> RunLog:
 
 def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
            t_start: float, tasks: components.Tasks, harness: Harness, eval_harness: Harness,
-           new_runtime: components.RuntimeFactory, log: RunLog) -> Parts:
+           new_runtime: components.RuntimeFactory, log: RunLog, base_dir: Path) -> Parts:
     """The heavy parts, once every name resolved and the loggers started."""
     environments = components.make_environments(cfg)
     if cfg.rollout.sandbox == "local" and any(
@@ -208,14 +211,16 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
         environments.prepare((*tasks.train, *tasks.heldout))
     except TaskError as e:
         raise RunError(str(e)) from e
-    device = _device(cfg.model.device)
-    base_dir = (ensure_tiny(seed=cfg.model.seed) if cfg.model.name == "tiny"
-                else resolve_model(cfg.model.name))
+    device = components.resolve_device(cfg.model.device)
     tokenizer = load_tokenizer(base_dir)
     weights_dir = ckpt if ckpt is not None else base_dir
-    # the trainer's copy, loaded as the engine loads its own (eval mode: no dropout, as
-    # the engine samples)
-    policy = load_policy_model(weights_dir, device=device, dtype=torch.float32)
+    # the trainer's ranks first (each loads its copy as the engine loads its own, eval
+    # mode: no dropout, as the engine samples), so a layout that fails stops here
+    try:
+        trainer = components.make_trainer(
+            components.trainer_spec(cfg, weights_dir, ckpt, device=device), run_dir=run_dir)
+    except (components.ComponentError, TrainerRankError) as e:
+        raise RunError(str(e)) from e
     model_name = cfg.model.name if cfg.model.name == "tiny" else base_dir.name
     try:
         engine = components.make_engine(cfg, weights_dir, device=device,
@@ -241,17 +246,7 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
         forget=gateway.gateway.forget_session,
     )
     evals = replace(rollouts, harness=eval_harness)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
-    if ckpt is not None and (ckpt / "optimizer.pt").exists() and state.warmstart_done:
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    trainer = TreeTrainer(
-        policy, optimizer,
-        LossConfig(clip_low=cfg.rl.clip_eps, clip_high=cfg.rl.clip_eps,
-                   correction=cfg.rl.correction),
-        max_tokens=cfg.rl.max_tokens_per_stream,
-        attention="consistent" if cfg.rl.numerics == "consistent" else "auto",
-    )
-    return Parts(cfg, run_dir, policy, optimizer, tokenizer, engine, store, gateway,
+    return Parts(cfg, run_dir, tokenizer, engine, store, gateway,
                  list(tasks.train), list(tasks.heldout), rollouts, evals, trainer,
                  log, t_start, state.elapsed_s)
 
@@ -282,6 +277,9 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
             parts.log.phase("eval", len(parts.heldout) * cfg.eval.samples)
             end = parts.evaluate("end", state)
             _sample_trees(parts.store, sessions, run_dir / "trees", parts.tokenizer.decode)
+    except TrainerRankError as e:  # a rank died: the last checkpoint is whole
+        parts.log.close(failed=True)
+        raise RunError(str(e)) from e
     except BaseException:
         parts.log.close(failed=True)
         raise
@@ -306,10 +304,11 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
                        "warmstart.steps = 0")
     parts.log.phase("warm start", cfg.warmstart.steps)
     t0 = time.perf_counter()
-    losses = warm_start(
-        parts.policy, render_all(parts.tokenizer, demos), steps=cfg.warmstart.steps,
-        batch_size=cfg.warmstart.batch_size, lr=cfg.warmstart.lr,
-        pad_id=parts.tokenizer.pad_token_id or 0, seed=cfg.seed,
+    losses = parts.trainer.warm_start(
+        render_all(parts.tokenizer, demos),
+        WarmStartPlan(steps=cfg.warmstart.steps, batch_size=cfg.warmstart.batch_size,
+                      lr=cfg.warmstart.lr, pad_id=parts.tokenizer.pad_token_id or 0,
+                      seed=cfg.seed),
         on_step=lambda i, loss, _dt: parts.log.advance("warm start", loss=loss),
     ) if demos else []
     parts.log.metrics({"phase": "warmstart", "step": 0,
@@ -405,6 +404,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
                 sched=sched.metrics(),
                 sampled=_sampled(store, [s for e in eps for s in e.session_ids]),
                 engine={"weight_sync_s": sync_s, **parts.engine_metrics()},
+                trainer=parts.trainer.metrics(),
             ))
             log.advance("rl")
             if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
@@ -526,6 +526,7 @@ def _step_row(
     state: RunState, *, eps: list[Episode], m: dict[str, float], t_wait: float,
     t_train: float, wall: float, cpu: float, groups: list[Sample], sched: dict[str, Any],
     sampled: tuple[int, float] = (0, 0.0), engine: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One RL step's metrics row. `rollout_s` is how long the trainer waited for its
     batch (rollouts of other batches may overlap training under elastic/async);
@@ -556,6 +557,8 @@ def _step_row(
         **_schedule_summary(sched),
         # the engine's: weight_sync_s (trainer -> engine), per-server figures (vLLM)
         **(engine or {}),
+        # the trainer's: world_size, peak_memory_mb_per_rank
+        **(trainer or {}),
         **m,
     }
 

@@ -17,6 +17,14 @@
    gradients) for partitioned trees only;
 5. optional gradient-norm clip, optimizer step.
 
+Across ranks (`ranks`, `tidal.train.distributed`; the model sharded with FSDP2), every
+rank gets the whole list of trees and trains its share (`assign_trees`): the loss
+denominators D_g are summed over ranks before any loss is formed and G counts every
+group of the batch, so each rank's loss is its share of the one-rank loss and the ranks'
+summed gradients are the one-rank gradient. A rank with fewer streams than another runs
+idle passes (a two-token stream of weight 0), so that every rank makes as many forwards
+and backwards as FSDP's collectives expect.
+
 `attention="consistent"` runs steps 2 and 4 on `tidal.engine.consistent`'s batch-invariant
 forward: with an engine sampling from the same forward (`numerics="consistent"`), the
 recomputed log-probabilities equal the rollout ones bit for bit, and the mismatch
@@ -45,16 +53,19 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from tidal.engine.consistent import ConsistentModel, stream_key_lists
 from tidal.train.attention import StreamPlan, enable_tree_attention
+from tidal.train.distributed import Ranks, assign_trees
+from tidal.train.lora import lora_dropout
 from tidal.train.loss import LossConfig, pair_correction, pair_loss
 from tidal.train.merge import merge_trees
 from tidal.train.packing import PackedBatch, PackedStream, pack_trees
-from tidal.tree.types import TrainTree
+from tidal.tree.types import Branch, Segment, TrainTree
 
 DEFAULT_MAX_MASK_BYTES = 2 << 30
 
@@ -115,8 +126,60 @@ class KVCache:
         return out
 
 
+def _lm(model: torch.nn.Module) -> Any:
+    """The causal LM inside a `TargetLM` (or the model itself)."""
+    return model.lm if isinstance(model, TargetLM) else model
+
+
 def _n_layers(model: torch.nn.Module) -> int:
-    return int(getattr(model.config, "num_hidden_layers"))  # noqa: B009
+    return int(getattr(_lm(model).config, "num_hidden_layers"))  # noqa: B009
+
+
+def target_logits(
+    lm: Any, input_ids_B_T: torch.Tensor, pred_N: torch.Tensor, *,
+    position_ids_B_T: torch.Tensor | None = None, attention_mask: Any = None,
+) -> torch.Tensor:
+    """float32 logits [N, V] read at the flat positions `pred_N` of [B, T]: the decoder
+    runs on every token, the vocabulary projection on the N read positions only (full
+    logits would dwarf the model with a 151k vocabulary)."""
+    out = lm.get_decoder()(input_ids=input_ids_B_T, position_ids=position_ids_B_T,
+                           attention_mask=attention_mask, use_cache=False)
+    h_N = out.last_hidden_state.flatten(0, 1).index_select(0, pred_N)
+    logits: torch.Tensor = lm.get_output_embeddings()(h_N).float()
+    return logits
+
+
+class TargetLM(torch.nn.Module):
+    """A causal LM whose forward is `target_logits`: the one module the trainer calls,
+    so FSDP2 can be its root (the embeddings, final norm and output head, tied or not,
+    are gathered by the root's hooks; each decoder layer is its own unit)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def config(self) -> Any:
+        return self.lm.config
+
+    def forward(self, input_ids_B_T: torch.Tensor, pred_N: torch.Tensor, *,
+                position_ids_B_T: torch.Tensor | None = None,
+                attention_mask: Any = None) -> torch.Tensor:
+        return target_logits(self.lm, input_ids_B_T, pred_N, position_ids_B_T=position_ids_B_T,
+                             attention_mask=attention_mask)
+
+
+def logits_at(model: torch.nn.Module, input_ids_B_T: torch.Tensor, pred_N: torch.Tensor, *,
+              position_ids_B_T: torch.Tensor | None = None,
+              attention_mask: Any = None) -> torch.Tensor:
+    """`target_logits` through the model's own call when it is a `TargetLM` (FSDP's
+    hooks run), directly on a plain causal LM."""
+    if isinstance(model, TargetLM):
+        out: torch.Tensor = model(input_ids_B_T, pred_N, position_ids_B_T=position_ids_B_T,
+                                  attention_mask=attention_mask)
+        return out
+    return target_logits(model, input_ids_B_T, pred_N, position_ids_B_T=position_ids_B_T,
+                         attention_mask=attention_mask)
 
 
 def stream_logprobs(model: torch.nn.Module, plan: StreamPlan) -> torch.Tensor:
@@ -124,18 +187,12 @@ def stream_logprobs(model: torch.nn.Module, plan: StreamPlan) -> torch.Tensor:
     st = plan.stream
     dev = plan.device
     if plan.backend == "consistent":
-        return consistent_logprobs(model, st, dev)
-    base = model.get_decoder()  # type: ignore[operator]
-    ids = torch.as_tensor(st.input_ids_T, device=dev)[None]
-    pos = torch.as_tensor(st.position_ids_T, device=dev)[None]
-    out = base(
-        input_ids=ids,
-        position_ids=pos,
-        attention_mask={"full_attention": plan, "sliding_attention": plan},
-        use_cache=False,
-    )
-    h_N = out.last_hidden_state[0].index_select(0, torch.as_tensor(st.target_pred_N, device=dev))
-    logits_N_V = model.get_output_embeddings()(h_N).float()  # type: ignore[operator]
+        return consistent_logprobs(_lm(model), st, dev)
+    logits_N_V = logits_at(
+        model, torch.as_tensor(st.input_ids_T, device=dev)[None],
+        torch.as_tensor(st.target_pred_N, device=dev),
+        position_ids_B_T=torch.as_tensor(st.position_ids_T, device=dev)[None],
+        attention_mask={"full_attention": plan, "sliding_attention": plan})
     tgt = torch.as_tensor(st.target_ids_N, device=dev)
     return logits_N_V.gather(1, tgt[:, None])[:, 0] - logits_N_V.logsumexp(-1)
 
@@ -177,7 +234,7 @@ def recompute_logprobs(
     Partitioned trees always go through a K/V cache (a fresh one when none is given);
     pass `kv_cache` to keep it for a backward pass.
     """
-    enable_tree_attention(model)
+    enable_tree_attention(_lm(model))
     dev = next(model.parameters()).device
     cache = kv_cache if kv_cache is not None else KVCache()
     n_layers = _n_layers(model)
@@ -246,10 +303,13 @@ def build_pair_terms(
     cfg: LossConfig,
     ref_N: torch.Tensor | None = None,
     *,
-    n_groups: int | None = None,
+    groups: Sequence[str] | None = None,
+    ranks: Ranks | None = None,
 ) -> PairTerms:
-    """`n_groups`: G of the loss when it differs from the batch's own norm groups (the
-    trainer leaves out trees with no signal but keeps counting their groups)."""
+    """`groups`: every norm group of the loss, in one order on every rank, when they
+    differ from the batch's own (the trainer leaves out trees with no signal but keeps
+    counting their groups; a rank holds a share of the batch). D_g is summed over
+    `ranks`, so G and D_g are those of the whole batch on every rank."""
     dev = old_N.device
     tgt = torch.as_tensor(
         np.concatenate([s.pair_target_P + s.target_offset for s in batch.streams]), device=dev
@@ -260,9 +320,15 @@ def build_pair_terms(
     n_b = int(batch.branch_advantage_B.shape[0])
     w, m = pair_correction(delta, tgt, br, n_b, cfg)
     coef = torch.as_tensor(batch.branch_coef_B, device=dev)[br]
-    grp = torch.as_tensor(batch.branch_group_B, device=dev)[br]
-    G = n_groups if n_groups is not None else len(batch.group_names)
+    names = list(groups) if groups is not None else list(batch.group_names)
+    index = {name: i for i, name in enumerate(names)}
+    to_global = torch.as_tensor([index[g] for g in batch.group_names], dtype=torch.long,
+                                device=dev)
+    grp = to_global[torch.as_tensor(batch.branch_group_B, device=dev)[br]]
+    G = len(names)
     D = torch.zeros(G, device=dev).index_add_(0, grp, coef * m)
+    if ranks is not None:
+        ranks.sum_(D)
     inv = torch.where(D > 0, 1.0 / (D * G), torch.zeros_like(D))
     return PairTerms(
         old_N=old_N,
@@ -329,15 +395,13 @@ def tree_loss_backward(
     return total, clipped / max(n_pairs, 1)
 
 
-def mismatch_metrics(batch: PackedBatch, terms: PairTerms, cfg: LossConfig) -> dict[str, float]:
-    """Rollout vs trainer mismatch over unique trained tokens (and branches for seq_kl).
+MISMATCH_SUMS = ("n", "neg_delta", "k3", "rho2", "rho", "abs_delta", "branches", "seq",
+                 "pairs", "masked", "truncated")
 
-    delta = trainer - rollout log-probability, rho = exp(delta):
-    token_kl = mean(-delta), k3 = mean(rho - delta - 1) (both estimate
-    KL(rollout || trainer) from the rollout's samples), chi2 = mean(rho^2) - 1,
-    ess = (sum rho)^2 / (n sum rho^2), seq_kl = mean over branches of sum(-delta).
-    is_clipped_fraction: pairs whose weight was truncated at C (tis, seq_tis).
-    """
+
+def mismatch_sums(batch: PackedBatch, terms: PairTerms, cfg: LossConfig) -> torch.Tensor:
+    """The sums `mismatch_metrics` is made of (float64, in `MISMATCH_SUMS` order), so
+    that ranks can add theirs before the ratios are taken."""
     d = terms.delta_N.double()
     rho = d.exp()
     n_b = int(batch.branch_advantage_B.shape[0])
@@ -349,17 +413,42 @@ def mismatch_metrics(batch: PackedBatch, terms: PairTerms, cfg: LossConfig) -> d
         truncated = (-seq)[terms.pair_branch_P] > math.log(cfg.C)
     else:
         truncated = torch.zeros_like(terms.m_P, dtype=torch.bool)
+    return torch.stack([
+        torch.tensor(float(d.numel()), dtype=d.dtype, device=d.device), (-d).sum(),
+        (rho - d - 1).sum(), (rho**2).sum(), rho.sum(), d.abs().sum(),
+        torch.tensor(float(n_b), dtype=d.dtype, device=d.device), seq.sum(),
+        torch.tensor(float(terms.m_P.numel()), dtype=d.dtype, device=d.device),
+        (terms.m_P == 0).double().sum(), truncated.double().sum(),
+    ]).cpu()
+
+
+def finish_mismatch(sums: torch.Tensor, max_abs: float) -> dict[str, float]:
+    v = dict(zip(MISMATCH_SUMS, (float(x) for x in sums), strict=True))
+    n, pairs = max(v["n"], 1.0), max(v["pairs"], 1.0)
     return {
-        "token_kl": float((-d).mean()),
-        "seq_kl": float(seq.mean()),
-        "k3_kl": float((rho - d - 1).mean()),
-        "chi2": float((rho**2).mean() - 1),
-        "ess": float(rho.sum() ** 2 / (rho.numel() * (rho**2).sum())),
-        "masked_fraction": float((terms.m_P == 0).double().mean()),
-        "is_clipped_fraction": float(truncated.double().mean()),
-        "mean_abs_logprob_diff": float(d.abs().mean()),
-        "max_abs_logprob_diff": float(d.abs().max()),
+        "token_kl": v["neg_delta"] / n,
+        "seq_kl": v["seq"] / max(v["branches"], 1.0),
+        "k3_kl": v["k3"] / n,
+        "chi2": v["rho2"] / n - 1,
+        "ess": v["rho"] ** 2 / (n * v["rho2"]) if v["rho2"] else 0.0,
+        "masked_fraction": v["masked"] / pairs,
+        "is_clipped_fraction": v["truncated"] / pairs,
+        "mean_abs_logprob_diff": v["abs_delta"] / n,
+        "max_abs_logprob_diff": max_abs,
     }
+
+
+def mismatch_metrics(batch: PackedBatch, terms: PairTerms, cfg: LossConfig) -> dict[str, float]:
+    """Rollout vs trainer mismatch over unique trained tokens (and branches for seq_kl).
+
+    delta = trainer - rollout log-probability, rho = exp(delta):
+    token_kl = mean(-delta), k3 = mean(rho - delta - 1) (both estimate
+    KL(rollout || trainer) from the rollout's samples), chi2 = mean(rho^2) - 1,
+    ess = (sum rho)^2 / (n sum rho^2), seq_kl = mean over branches of sum(-delta).
+    is_clipped_fraction: pairs whose weight was truncated at C (tis, seq_tis).
+    """
+    return finish_mismatch(mismatch_sums(batch, terms, cfg),
+                           float(terms.delta_N.double().abs().max()))
 
 
 def _trees_with_signal(trees: Sequence[TrainTree]) -> list[TrainTree]:
@@ -372,8 +461,23 @@ def _trees_with_signal(trees: Sequence[TrainTree]) -> list[TrainTree]:
             if not t.branches or any(b.norm_group in signal for b in t.branches)]
 
 
+def idle_tree(norm_group: str) -> TrainTree:
+    """Two tokens of weight 0 (coef 0: no share of any D_g, a loss of exactly 0): what a
+    rank trains when the others still have streams to run."""
+    seg = Segment(parent=-1, token_ids=np.zeros(2, np.int32),
+                  model_mask=np.array([False, True]), logprobs=np.zeros(2, np.float32),
+                  policy_versions=np.zeros(2, np.int32))
+    return TrainTree("idle", (seg,), (Branch(leaf=0, advantage=0.0, coef=0.0,
+                                             norm_group=norm_group),))
+
+
 class TreeTrainer:
-    """Owns one policy update per call of `step`: pack, recompute, correct, loss, step."""
+    """Owns one policy update per call of `step`: pack, recompute, correct, loss, step.
+
+    With `ranks` of more than one rank, `model` is this rank's FSDP2 shard of a
+    `TargetLM` (`tidal.train.distributed.shard_policy`) and every rank calls `step` with
+    the same trees; the metrics are the whole batch's on every rank.
+    """
 
     def __init__(
         self,
@@ -387,9 +491,14 @@ class TreeTrainer:
         max_grad_norm: float | None = 1.0,
         max_mask_bytes: int = DEFAULT_MAX_MASK_BYTES,
         merge: bool = True,
+        ranks: Ranks | None = None,
     ) -> None:
         if loss_config.kl_coef and ref_model is None:
             raise ValueError("loss_config.kl_coef > 0 needs a ref_model")
+        self.ranks = ranks or Ranks()
+        if self.ranks.distributed and (attention == "consistent" or ref_model is not None):
+            raise ValueError("training across ranks supports neither consistent numerics nor "
+                             "a reference model (KL) yet")
         self.model = model
         self.optimizer = optimizer
         self.cfg = loss_config
@@ -399,22 +508,38 @@ class TreeTrainer:
         self.max_grad_norm = max_grad_norm
         self.max_mask_bytes = max_mask_bytes
         self.merge = merge
-        enable_tree_attention(model)
+        enable_tree_attention(_lm(model))
         if ref_model is not None:
-            enable_tree_attention(ref_model)
+            enable_tree_attention(_lm(ref_model))
+
+    def _idle(self, batch: PackedBatch, n: int, *, grad: bool) -> None:
+        """`n` passes over the batch's first stream with a loss of 0 (FSDP's collectives:
+        every rank runs as many forwards and backwards)."""
+        dev = next(self.model.parameters()).device
+        st = next(s for s in batch.streams if not s.n_context)
+        for _ in range(n):
+            with torch.set_grad_enabled(grad):
+                lp = stream_logprobs(self.model, _plan(st, dev, self.attention,
+                                                       self.max_mask_bytes, None))
+                if grad:
+                    (lp.sum() * 0.0).backward()  # type: ignore[no-untyped-call]
 
     def step(self, trees: Sequence[TrainTree]) -> StepMetrics:
         t0 = time.perf_counter()
-        n_groups = len({b.norm_group for t in trees for b in t.branches})
+        ranks = self.ranks
+        groups = sorted({b.norm_group for t in trees for b in t.branches})
         skipped = 0
         if not self.cfg.kl_coef:  # without a KL term, a zero advantage is a zero gradient
             live = _trees_with_signal(trees)
             if not live:
                 return StepMetrics.empty(len(trees), time.perf_counter() - t0)
             skipped, trees = len(trees) - len(live), live
-        if self.merge:
-            trees = merge_trees(trees, self.max_tokens)
-        batch = pack_trees(trees, self.max_tokens)
+        mine = assign_trees(trees, ranks.world)[ranks.rank]
+        idle = not mine
+        if self.merge and mine:
+            mine = merge_trees(mine, self.max_tokens)
+        batch = pack_trees(mine or [idle_tree(groups[0])], self.max_tokens)
+        n_passes = ranks.max_int(len(batch.streams))
         cache = KVCache()
         old = recompute_logprobs(
             self.model,
@@ -423,38 +548,52 @@ class TreeTrainer:
             max_mask_bytes=self.max_mask_bytes,
             kv_cache=cache,
         )
+        self._idle(batch, n_passes - len(batch.streams), grad=False)
         ref = None
         if self.cfg.kl_coef and self.ref_model is not None:
             ref = recompute_logprobs(
                 self.ref_model, batch, attention=self.attention, max_mask_bytes=self.max_mask_bytes
             )
-        terms = build_pair_terms(batch, old, self.cfg, ref, n_groups=n_groups)
+        terms = build_pair_terms(batch, old, self.cfg, ref, groups=groups, ranks=ranks)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, clip_frac = tree_loss_backward(
-            self.model,
-            batch,
-            terms,
-            self.cfg,
-            cache,
-            attention=self.attention,
-            max_mask_bytes=self.max_mask_bytes,
-        )
+        with lora_dropout(self.model, True):  # LoRA's dropout, if any, in this pass only
+            loss, clip_frac = tree_loss_backward(
+                self.model,
+                batch,
+                terms,
+                self.cfg,
+                cache,
+                attention=self.attention,
+                max_mask_bytes=self.max_mask_bytes,
+            )
+            self._idle(batch, n_passes - len(batch.streams), grad=True)
         grad_norm = float("nan")
         if self.max_grad_norm is not None:
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            )
+            norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
-        mm = mismatch_metrics(batch, terms, self.cfg)
+        n_pairs = float(terms.m_P.numel())
+        sums = mismatch_sums(batch, terms, self.cfg)
+        counts = torch.tensor([loss, clip_frac * n_pairs, batch.path_tokens,
+                               batch.unique_tokens, len(batch.streams)], dtype=torch.float64)
+        if idle:
+            sums.zero_()
+            counts.zero_()
+        max_abs = 0.0 if idle else float(terms.delta_N.double().abs().max())
+        sums = ranks.sum_(sums)
+        counts = ranks.sum_(counts)
+        max_abs = float(ranks.max_(torch.tensor([max_abs], dtype=torch.float64))[0])
+        loss_sum, clipped, path_tokens, unique, streams = (float(x) for x in counts)
         return StepMetrics(
-            loss=loss,
-            ppo_clip_fraction=clip_frac,
-            tree_token_ratio=batch.path_tokens / max(batch.unique_tokens, 1),
-            tokens=batch.unique_tokens,
-            path_tokens=batch.path_tokens,
-            streams=len(batch.streams),
+            loss=loss_sum,
+            ppo_clip_fraction=clipped / max(float(sums[MISMATCH_SUMS.index("pairs")]), 1.0),
+            tree_token_ratio=path_tokens / max(unique, 1.0),
+            tokens=int(unique),
+            path_tokens=int(path_tokens),
+            streams=int(streams),
             grad_norm=grad_norm if not math.isnan(grad_norm) else 0.0,
             seconds=time.perf_counter() - t0,
             trees_skipped=skipped,
-            **mm,
+            **finish_mismatch(sums, max_abs),
         )

@@ -22,6 +22,8 @@ import torch
 
 from tidal.agent.tasks import Demonstration
 from tidal.agent.tools import tool_schemas
+from tidal.train.distributed import Ranks
+from tidal.train.trainer import logits_at
 
 
 @dataclass(frozen=True)
@@ -86,15 +88,18 @@ def _batch(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torc
     return ids, labels
 
 
-def masked_lm_loss(model: Any, ids_B_T: torch.Tensor, labels_B_T: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy on labelled positions only. The vocabulary projection runs on those
-    positions alone: with a 151k vocabulary, full logits would dwarf the rest of the model.
-    Right padding needs no attention mask: pads only follow the real tokens."""
-    hidden_B_T_H = model.base_model(input_ids=ids_B_T).last_hidden_state
+def masked_lm_loss(model: Any, ids_B_T: torch.Tensor, labels_B_T: torch.Tensor,
+                   n_total: float | None = None) -> torch.Tensor:
+    """Cross-entropy on labelled positions only, summed and divided by `n_total` (all
+    ranks' labelled tokens; this batch's by default: the mean). The vocabulary
+    projection runs on those positions alone (`target_logits`). Right padding needs no
+    attention mask: pads only follow the real tokens."""
     target_B_T = labels_B_T[:, 1:]
     keep_B_T = target_B_T != -100
-    logits_N_V = model.get_output_embeddings()(hidden_B_T_H[:, :-1][keep_B_T])
-    return torch.nn.functional.cross_entropy(logits_N_V.float(), target_B_T[keep_B_T])
+    b, t = keep_B_T.nonzero(as_tuple=True)
+    logits_N_V = logits_at(model, ids_B_T, b * ids_B_T.shape[1] + t)
+    loss = torch.nn.functional.cross_entropy(logits_N_V, target_B_T[keep_B_T], reduction="sum")
+    return loss / (n_total if n_total is not None else max(int(keep_B_T.sum()), 1))
 
 
 def warm_start(
@@ -107,28 +112,40 @@ def warm_start(
     pad_id: int,
     seed: int,
     on_step: Callable[[int, float, float], None] | None = None,
+    ranks: Ranks | None = None,
 ) -> list[float]:
-    """Fine-tune `model` in place; returns the loss of each step."""
+    """Fine-tune `model` in place (its trainable parameters); returns each step's loss.
+    Across `ranks`, every rank draws the same batch and trains rows rank, rank + world,
+    ...; the loss is normalised by the whole batch's labelled tokens, so the ranks'
+    summed gradients are the one-rank gradient."""
+    ranks = ranks or Ranks()
     if not examples:
         raise ValueError("warm start needs at least one demonstration")
+    if min(batch_size, len(examples)) < ranks.world:
+        raise ValueError(f"a warm-start batch of {min(batch_size, len(examples))} "
+                         f"demonstrations cannot give each of {ranks.world} ranks one")
     rng = random.Random(seed)
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for step in range(steps):
         t0 = time.perf_counter()
         batch = rng.sample(list(examples), min(batch_size, len(examples)))
-        ids, labels = _batch(batch, pad_id)
+        ids, labels = _batch(batch[ranks.rank :: ranks.world], pad_id)
         ids, labels = ids.to(device), labels.to(device)
-        loss = masked_lm_loss(model, ids, labels)
+        n_total = ranks.sum_(torch.tensor([float((labels[:, 1:] != -100).sum())],
+                                          dtype=torch.float64))
+        loss = masked_lm_loss(model, ids, labels, max(float(n_total[0]), 1.0))
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        value = loss.item()
+        value = float(ranks.sum_(loss.detach().double().reshape(1))[0])
         losses.append(value)
         if on_step is not None:
             on_step(step, value, time.perf_counter() - t0)
+    opt.zero_grad(set_to_none=True)  # nothing holds on to the last step's gradients
     model.eval()
     return losses
