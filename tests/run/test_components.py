@@ -138,3 +138,24 @@ def test_the_older_tasks_name_reads_and_new_sections_round_trip(tmp_path: Path) 
     p = tmp_path / "c.toml"
     p.write_text(dump_config(cfg))
     assert load_config(p) == cfg
+
+
+def test_trainer_under_torchrun_must_match_its_world_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's WORLD_SIZE and `train.world_size` must agree (nothing starts)."""
+    cfg = parse_config({"train": {"world_size": 2}, "rollout": {"tasks_per_step": 2}})
+    spec = components.trainer_spec(cfg, tmp_path, None, device="cpu")
+    assert (spec.world_size, spec.state_dir, spec.lora) == (2, None, None)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(components.ComponentError, match=r"train\.world_size = 2 but "
+                       r"torchrun started 3 ranks"):
+        components.make_trainer(spec, run_dir=tmp_path)
+
+
+def test_lora_round_trips_through_the_saved_config(tmp_path: Path) -> None:
+    cfg = parse_config({"train": {"lora": {"r": 4, "targets": ["q_proj"]}}})
+    p = tmp_path / "c.toml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg and cfg.train.lora is not None
+    assert "lora" not in dump_config(parse_config({}))  # absent stays absent
