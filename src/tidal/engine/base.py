@@ -105,8 +105,9 @@ class Weights:
     `directory()` writes a transformers checkpoint (safetensors, config, tokenizer) the
     first time it is asked and returns it (engines in other processes load it).
 
-    The trainer gives `Weights.of_model(model, out)` per update; a path given to
-    `update_weights` is a checkpoint that exists already (`Weights.of_directory`).
+    `tidal run`'s trainer gives `TrainerGroup.weights(out)` per update (gathered from its
+    ranks; `adapter` set with LoRA), a single model `Weights.of_model(model, out)`; a path
+    given to `update_weights` is a checkpoint that exists already (`Weights.of_directory`).
     """
 
     def __init__(

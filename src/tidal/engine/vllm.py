@@ -143,18 +143,14 @@ class VLLMEngine:
         if self._check_local_paths and not (Path(path) / "adapter_config.json").exists():
             raise EngineError(f"load_adapter: no adapter_config.json in {path}")
         self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                   what=f"load the LoRA adapter {name} from {path}")
+                   what=f"load the LoRA adapter {name} from {path}",
+                   missing="LoRA adapters need the server started with --enable-lora and "
+                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
 
     def unload_adapter(self, name: str) -> None:
         """Drop adapter `name` from the server (one it does not have is not an error)."""
-        try:
-            resp = self._http.post("/v1/unload_lora_adapter", json={"lora_name": name})
-        except httpx.HTTPError as e:
-            raise EngineError(f"vLLM at {self._base}: cannot unload the LoRA adapter {name}: "
-                              f"{e}") from e
-        if resp.status_code not in (200, 404):
-            raise EngineError(f"vLLM at {self._base}: cannot unload the LoRA adapter {name}: "
-                              f"HTTP {resp.status_code}: {resp.text[:500]}")
+        self._post("/v1/unload_lora_adapter", json={"lora_name": name},
+                   what=f"unload the LoRA adapter {name}", accept=(404,))
 
     @property
     def max_context(self) -> int:
@@ -320,21 +316,21 @@ class VLLMEngine:
         what: str,
         json: dict[str, Any] | None = None,
         params: dict[str, str] | None = None,
+        missing: str | None = None,
+        accept: tuple[int, ...] = (),
     ) -> httpx.Response:
+        """POST `path`; an error names `what`. A 404 says what the route needs (`missing`;
+        the dev-mode routes' need by default); statuses in `accept` count as done."""
         try:
             resp = self._http.post(path, json=json, params=params)
         except httpx.HTTPError as e:
             raise EngineError(f"vLLM at {self._base}: cannot {what}: {e}") from e
-        if resp.status_code == 404 and path == "/v1/load_lora_adapter":
-            raise EngineError(
-                f"vLLM at {self._base} has no {path} route: LoRA adapters need the server "
-                "started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
-            )
-        if resp.status_code == 404 and not path.startswith("/v1/"):
-            raise EngineError(
-                f"vLLM at {self._base} has no {path} route: weight updates need the server "
-                "started with VLLM_SERVER_DEV_MODE=1 (vLLM >= 0.11)"
-            )
+        if resp.status_code in accept:
+            return resp
+        if resp.status_code == 404 and (missing or not path.startswith("/v1/")):
+            need = missing or ("weight updates need the server started with "
+                               "VLLM_SERVER_DEV_MODE=1 (vLLM >= 0.11)")
+            raise EngineError(f"vLLM at {self._base} has no {path} route: {need}")
         if resp.status_code != 200:
             raise EngineError(
                 f"vLLM at {self._base}: cannot {what}: HTTP {resp.status_code}: {resp.text[:500]}"

@@ -42,7 +42,6 @@ import torch
 from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
 from tidal.agent.tasks import Demonstration, Task, TaskError, demonstrations, taught
-from tidal.engine.base import Adapter, Weights
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
@@ -58,7 +57,7 @@ from tidal.sandbox.types import Bind
 from tidal.schedule.backend import Work
 from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
-from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
+from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan
 from tidal.train.warmstart import render_all
 from tidal.tree import process_store
 from tidal.tree.html import render_episode_html
@@ -106,14 +105,8 @@ class Parts:
         written once); older checkpoints there are removed. Returns the seconds taken."""
         t0 = time.perf_counter()
         out = self.run_dir / "weights" / f"v{version}"
-        sd = self.trainer.state_dict()  # gathered from the ranks, LoRA merged
-        config = self.trainer.config
-        lora = self.trainer.spec.lora
-        adapter = Adapter(self.trainer.adapters(), r=lora.r, alpha=lora.alpha,
-                          targets=lora.targets) if lora is not None else None
-        self.engine.update_weights(
-            Weights(lambda: iter(sd.items()), target=out, adapter=adapter,
-                    write=lambda d: write_checkpoint(d, sd, config)), version)
+        # gathered from the ranks, LoRA merged (and its adapters, for vLLM servers)
+        self.engine.update_weights(self.trainer.weights(out), version)
         for old in (self.run_dir / "weights").glob("v*"):
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)

@@ -221,23 +221,11 @@ def save_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
              no_dist=not dist.is_initialized())
 
 
-def load_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def load_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """What `save_state` wrote, resharded to this model's layout (any world size)."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        msd = get_model_state_dict(model)
-        with _one_process_quiet():
-            load({"model": msd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        set_model_state_dict(model, msd)
-        return
     msd, osd = get_state_dict(model, optimizer)
     with _one_process_quiet():
         load({"model": msd, "optimizer": osd}, checkpoint_id=str(path),  # in place

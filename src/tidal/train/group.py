@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from tidal.engine.base import Adapter, Weights
 from tidal.train.distributed import (
     Ranks,
     checkpoint_activations,
@@ -188,14 +189,11 @@ class RankTrainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's full weights on rank 0 (LoRA merged in: what an engine serves),
         gathered once per update."""
-        return self._gathered()[0]
+        return self.gathered()[0]
 
-    def adapters(self) -> dict[str, torch.Tensor]:
-        """LoRA only: the adapters on rank 0, in peft's saved-adapter names (for engines
-        that load adapters); empty without LoRA."""
-        return self._gathered()[1]
-
-    def _gathered(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def gathered(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """On rank 0, once per update: the full weights (LoRA merged in) and, with LoRA,
+        the adapters in peft's saved-adapter names (for engines that load adapters)."""
         if self._full is None or self._full[0] != self.updates:
             sd = full_state_dict(self.model, self.ranks)
             adapters: dict[str, torch.Tensor] = {}
@@ -356,12 +354,19 @@ class TrainerGroup:
         sd: dict[str, torch.Tensor] = self._call("state_dict")
         return sd
 
-    def adapters(self) -> dict[str, torch.Tensor]:
-        """LoRA's adapters of the newest update (gathered with `state_dict`, once)."""
+    def weights(self, out: Path) -> Weights:
+        """The newest update's weights for `Engine.update_weights` (gathered from the
+        ranks once): the merged tensors in process, a transformers checkpoint written to
+        `out` when an engine asks for one, and with LoRA the adapters themselves."""
         if self.world_size == 1:
-            return self._one().adapters()
-        ad: dict[str, torch.Tensor] = self._call("adapters")
-        return ad
+            sd, adapters = self._one().gathered()
+        else:
+            sd, adapters = self._call("gathered")
+        lora, config = self.spec.lora, self.config
+        adapter = Adapter(adapters, r=lora.r, alpha=lora.alpha,
+                          targets=lora.targets) if lora is not None else None
+        return Weights(lambda: iter(sd.items()), target=out, adapter=adapter,
+                       write=lambda d: write_checkpoint(d, sd, config))
 
     def save(self, out: Path) -> None:
         if self.world_size == 1:
