@@ -148,9 +148,11 @@ def test_bad_run_dir(tmp_path: Path) -> None:
 
 
 def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
+    """Killed mid-step: the sessions live at the kill continue from their snapshots
+    (each model call recorded once), and every session is trained once."""
     cfg = _config(rl={"steps": 4}, warmstart={"steps": 3, "teacher": "mixed"},
                   tasks={"name": "digits", "train_size": 8, "heldout_size": 2},
-                  rollout={"context_budget": 4096})
+                  rollout={"context_budget": 4096, "snapshot_every": 1})
     out = tmp_path / "run"
     conf = tmp_path / "c.toml"
     from tidal.run.config import dump_config
@@ -162,16 +164,20 @@ def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
     state = out / "checkpoint" / "state.json"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
-        if state.exists() and json.loads(state.read_text())["step"] >= 1:
-            # let the next step's rollouts commit some sessions, then kill mid-step
-            time.sleep(3)
+        # after a step, once some live episode has a sandbox snapshot: kill mid-step
+        if (state.exists() and json.loads(state.read_text())["step"] >= 1
+                and list((out / "live").glob("*/*.tar"))):
             break
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     with LedgerStore(out / "ledger.db", readonly=True) as store:
         before = {sc.call_id for sc in store.iter_calls()}
+        done = store.outcomes()
+        live = [s.session_id for s in store.sessions() if s.session_id.startswith("rl-")
+                and s.parent_session_id is None and s.session_id not in done]
+    assert live, "no session was live at the kill"
     r = subprocess.run([*cmd[:-2], "--out", str(out), "--resume"], capture_output=True,
                        text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -188,3 +194,13 @@ def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
     assert before <= after  # every call committed before the kill is still there
     for sid in main_rl:  # every committed RL session was trained or closed as infra_error
         assert sid in trained or outcomes[sid].status.value == "infra_error", sid
+    for sid in live:  # resumed, not thrown away
+        assert outcomes[sid].details.get("error") != "the run was killed mid-session", sid
+        assert sid in trained or sid in final["dropped_sessions"], sid
+        with LedgerStore(out / "ledger.db", readonly=True) as store:
+            log = store.call_log(sid)
+            prompts = [tuple(log.prompt_ids(sc.call_id).tolist()) for sc in log.calls]
+        assert len(prompts) == len(set(prompts)), f"{sid}: a call was sampled twice"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (resume,) = [r for r in rows if r["phase"] == "resume"]
+    assert resume["episodes"] >= len(live) and resume["snapshots"] >= 1

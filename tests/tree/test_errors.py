@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from tidal.ledger.store import LedgerStore
@@ -83,3 +87,39 @@ def test_tree_package_stays_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_abandoned_calls_are_left_out_and_later_calls_stored_against_them_kept(
+    tmp_path: Path,
+) -> None:
+    """A resumed session's outcome lists the recorded calls of a branch it did not take
+    (`details.abandoned_calls`): they are not trained, and a kept call whose prompt the
+    store wrote against one of them keeps its whole prompt."""
+    from tests.ledger.helpers import growing_session
+    from tidal.ledger import LedgerStore, Outcome, Status
+    from tidal.tree.episode import load_sessions
+
+    calls = growing_session("s", 4)
+    # a branch: call 3 continues call 1 (a different observation than call 2 saw), and
+    # the store keeps call 3's prompt as a delta against call 1 or 2
+    c0, c1, c2 = calls[0], calls[1], calls[2]
+    ctx = np.concatenate([c1.prompt_ids, c1.output_ids, np.array([9, 9, 9], np.int32)])
+    c3 = dataclasses.replace(calls[3], call_id="c3b", prompt_ids=ctx)
+    with LedgerStore(tmp_path / "l.db") as store:
+        store.append_calls([c0, c1, c2, c3])
+        store.append_outcome(Outcome("s", Status.COMPLETE, 1.0, 1.0,
+                                     {"abandoned_calls": [c2.call_id]}))
+        (sd,) = load_sessions(store, ["s"])
+        log = store.call_log("s")
+        assert log["c3b"].prompt.base_call_id == c2.call_id  # stored against the dropped call
+        assert [sc.call_id for sc in sd.calls] == [c0.call_id, c1.call_id, "c3b"]
+        for sc in sd.calls:
+            assert sc.prompt.base_call_id != c2.call_id
+        result = process_store(store, ["s"])
+        full = process_store(store, ["s"], max_paths=None)
+    assert np.array_equal(log.prompt_ids("c3b"), ctx)
+    # the tree holds c3b's branch and nothing of the abandoned call (its tool result
+    # and output would add tokens)
+    (tree,) = result.trees
+    assert tree.unique_tokens == len(ctx) + len(c3.output_ids)
+    assert full.trees[0].unique_tokens == tree.unique_tokens

@@ -246,7 +246,9 @@ class _Session:
     # ---------------------------------------------------------------- tools
 
     def _spawn(self, call: ToolCall, parent_call_id: str) -> str:
-        sub_id = new_session_id("sub")
+        # named by its parent and its place there, so that a resumed session spawns the
+        # same ids again and the gateway replays their recorded calls (tidal.agent.preempt)
+        sub_id = f"{self.session_id}-sub{len(self.subagents) + 1}"
         deadline = min(self.deadline, time.monotonic() + self.config.subagent_time_limit_s)
         sub = _Session(
             gateway_url=self.gateway_url,

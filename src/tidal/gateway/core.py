@@ -16,6 +16,10 @@ A session this process does not hold (a restart, another worker, a forgotten one
 rebuilt from the ledger on its first use: each call's `metadata.turn` keeps what a
 recorded turn needs beyond the call itself.
 
+A resumed session (`Gateway.replay`, `tidal.gateway.replay`) has its recorded calls
+answered from the ledger: a call whose prompt ids equal a recorded call's gets that call
+back and nothing is recorded; the first one that matches none is generated as usual.
+
 Sessions: `Route.session_id` picks the session. Without one (plain `/v1/...` and no
 header) the gateway looks for a session that issued one of the request's tool-call ids
 or produced one of its assistant turns, else starts a fresh `auto-...` session.
@@ -56,6 +60,7 @@ from tidal.gateway.messages import (
     shown,
 )
 from tidal.gateway.render import Renderer
+from tidal.gateway.replay import Replay, ReplayStatus
 from tidal.gateway.tito import RecordedTurn, SessionTurns, assemble_prompt, turn_key
 from tidal.gateway.toolcalls import (
     ParsedOutput,
@@ -185,6 +190,7 @@ class ChatTurn:
     texts: tuple[str, ...]
     tops: list[list[dict[str, Any]]] | None
     unparsed: str | None = None  # why text that looks like a tool call was not parsed
+    replayed: bool = False  # answered from the ledger (a resumed session), not sampled
 
     def message(self) -> dict[str, Any]:
         return chat_message(self.content, self.tool_calls)
@@ -299,8 +305,11 @@ class Gateway:
         self._key_owner: dict[str, str] = {}  # turn key -> session
         self._call_owner: dict[str, str] = {}  # call id -> session
         self._token_text: dict[int, str] = {}
+        self._replays: dict[str, Replay] = {}  # resumed sessions: recorded calls to serve
         # what an API keeps per session beyond the turns (held responses) drops with them
         self.on_forget: list[Callable[[str], None]] = []
+        # told of every call once it is committed (a run's live episodes count them)
+        self.on_record: list[Callable[[Call], None]] = []
 
     @property
     def policy_version(self) -> int:
@@ -318,12 +327,60 @@ class Gateway:
         turns before it. Returns whether the session was known."""
         with self._lock:
             known = self._sessions.pop(session_id, None) is not None
+            self._replays.pop(session_id, None)
             for index in (self._tool_owner, self._key_owner, self._call_owner):
                 for k in [k for k, v in index.items() if v == session_id]:
                     del index[k]
         for hook in self.on_forget:
             hook(session_id)
         return known
+
+    # ---------------------------------------------------------------- replay
+    def replay(self, session_ids: Sequence[str]) -> int:
+        """Put resumed sessions in replay mode (`tidal.gateway.replay`): a chat call of
+        one of them whose prompt ids equal a recorded call's is answered with that call,
+        recording nothing. Returns the number of recorded calls waiting."""
+        replays = {sid: Replay.of(self.store.call_log(sid)) for sid in session_ids
+                   if self.store.has_session(sid)}
+        with self._lock:
+            self._replays.update(replays)
+        return sum(r.pending for r in replays.values())
+
+    def replay_status(self, session_id: str) -> ReplayStatus | None:
+        """How far a replayed session got (None: not in replay mode)."""
+        with self._lock:
+            r = self._replays.get(session_id)
+        return None if r is None else r.status()
+
+    def _replayed(self, session_id: str, plan_prompt: npt.NDArray[np.int32], *,
+                  t_start: float, started: float, want_texts: bool,
+                  logprobs: bool) -> ChatTurn | None:
+        with self._lock:
+            r = self._replays.get(session_id)
+        c = r.take(plan_prompt) if r is not None else None
+        if c is None:
+            return None
+        meta = c.metadata or {}
+        kept = meta.get("turn")
+        turn: Mapping[str, Any] = kept if isinstance(kept, Mapping) else {}
+        calls = tuple(RecordedToolCall(x["id"], x["name"], x["arguments"])
+                      for x in c.tool_calls or [])
+        stop_sequence = meta.get("stop_sequence")
+        gen = Generation(c.output_ids, c.output_logprobs, c.finish_reason, c.policy_version)
+        parse = meta.get("tool_parse")
+        return ChatTurn(
+            session_id=session_id, call_id=c.call_id, gen=gen, output_ids=c.output_ids,
+            logprobs=c.output_logprobs,
+            content=turn["content"] if "content" in turn else self.visible_text(c.output_ids),
+            tool_calls=calls,
+            finish="tool_calls" if calls else ("stop" if stop_sequence else c.finish_reason),
+            stop_sequence=stop_sequence, n_prompt=int(plan_prompt.shape[0]), drift=0,
+            started=started, engine_s=0.0, t_start=t_start,
+            texts=self.token_texts(c.output_ids) if want_texts else (),
+            tops=[[] for _ in range(int(c.output_ids.shape[0]))] if logprobs else None,
+            unparsed=parse.get("reason") if isinstance(parse, Mapping) else None,
+            replayed=True,
+        )
 
     # ---------------------------------------------------------------- helpers
     def check_model(self, body: Mapping[str, Any]) -> None:
@@ -518,6 +575,8 @@ class Gateway:
                 code="ledger_error",
                 status=409 if "already" in str(e) else 400,
             ) from e
+        for hook in self.on_record:
+            hook(call)
 
     # ---------------------------------------------------------------- chat
     def call(self, req: ChatCall, route: Route) -> ChatTurn:
@@ -583,6 +642,11 @@ class Gateway:
             raise RequestError(str(e), param="messages", code="template_error") from e
         n_prompt = int(plan.prompt_ids.shape[0])
         params = self._sampling(req.sampling, n_prompt, req.top_logprobs, req.stop)
+        replayed = self._replayed(session_id, plan.prompt_ids, t_start=t_start, started=started,
+                                  want_texts=req.logprobs or req.want_texts,
+                                  logprobs=req.logprobs)
+        if replayed is not None:  # a resumed session's recorded call: nothing new
+            return replayed
         gen, engine_s = self._generate(plan.prompt_ids, params, session_id)
 
         out_ids, logprobs = gen.output_ids, gen.logprobs
@@ -915,6 +979,8 @@ def tidal_block(turn: ChatTurn) -> dict[str, Any]:
     block = {**_tidal_block(turn.session_id, turn.call_id, turn.gen), "drift": turn.drift}
     if turn.unparsed is not None:
         block["tool_parse"] = {"status": "unparsed", "reason": turn.unparsed}
+    if turn.replayed:
+        block["replayed"] = True
     return block
 
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from tidal.agent.environment import Environments
     from tidal.agent.harness import AgentConfig
     from tidal.run.config import RunConfig, TasksConfig
-    from tidal.schedule.backend import SwitchHook
+    from tidal.schedule.backend import Migrator, SwitchHook
     from tidal.schedule.scheduler import Scheduler
     from tidal.train.group import TrainerGroup, TrainerSpec
 
@@ -303,13 +303,16 @@ def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_versio
 
 
 def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
-                   on_switch: SwitchHook | None = None, switch_s: float = 0.0) -> Scheduler:
+                   on_switch: SwitchHook | None = None, switch_s: float = 0.0,
+                   migrator: Migrator | None = None) -> Scheduler:
     """The elastic scheduler over `schedule.devices` devices of `schedule.backend`,
     `rollout.tasks_per_step` groups per step, staleness bound `rl.max_staleness`. On the
     local backend a role switch moves no model (the engine and the trainer are both in
     this process) unless `on_switch(device, role)` does (vLLM servers sleep while their
     device trains and restart when it returns, `switch_s` seconds); `mean_group_s` scales
-    the elastic policy's time constants."""
+    the elastic policy's time constants. With `schedule.migration`, `migrator` moves live
+    task groups off a device that switches to training."""
+    from tidal.schedule.compare import MEASURED_MIGRATE_S
     from tidal.schedule.local import LocalBackend
     from tidal.schedule.policy import policy_named
     from tidal.schedule.scheduler import Scheduler
@@ -318,13 +321,16 @@ def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
     s = cfg.schedule
     if s.backend == "local":
         backend: Any = LocalBackend(s.devices, s.groups_per_device, mode="thread",
-                                    on_switch=on_switch)
+                                    on_switch=on_switch,
+                                    migrator=migrator if s.migration else None)
     else:
         backend = load_attr(s.backend, "schedule.backend")(s.devices, s.groups_per_device)
     config = PoolConfig(
         n_devices=s.devices, batch_size=cfg.rollout.tasks_per_step,
         slots_per_device=s.groups_per_device, max_staleness=cfg.rl.max_staleness,
         rollout_to_train_s=0.0, train_to_rollout_s=switch_s, rate_window_s=mean_group_s / 4,
+        # what one live group's migration costs here (bench/preempt.py)
+        migration=s.migration and migrator is not None, migrate_s=MEASURED_MIGRATE_S,
     )
     return Scheduler(backend, policy_named(s.policy, train_devices=s.train_devices,
                                            mean_group_s=mean_group_s), config)

@@ -223,6 +223,13 @@ class RolloutConfig(_Section):
         "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted); "
         "module:attr: a factory(SandboxConfig) -> context manager of a ToolRuntime",
     )
+    snapshot_every: int = Field(
+        10, ge=0, description="snapshot a live episode's sandbox every N model calls (0: "
+        "not by count), so a killed run resumes it (docs/agent.md, Preemption)",
+    )
+    snapshot_every_s: float = Field(
+        300.0, ge=0, description="and every S seconds of wall clock (0: not by time)",
+    )
 
 
 class ScheduleConfig(_Section):
@@ -236,6 +243,10 @@ class ScheduleConfig(_Section):
         1, ge=1, description="task groups one rollout device runs at once"
     )
     train_devices: int = Field(1, ge=1, description="async only: devices fixed to training")
+    migration: bool = Field(
+        False, description="elastic, local backend: move live task groups off a device "
+        "that switches to training (snapshot, resume, fast-forward) instead of draining it",
+    )
 
 
 class WarmstartConfig(_Section):
@@ -385,6 +396,12 @@ class RunConfig(_Section):
             )
         if self.rl.steps == 0 and self.warmstart.steps == 0:
             raise ValueError("nothing to do: warmstart.steps and rl.steps are both 0")
+        if self.schedule.migration and (self.schedule.policy != "elastic"
+                                        or self.schedule.backend != "local"):
+            raise ValueError(
+                "schedule.migration = true moves live task groups between the local "
+                "backend's devices under the elastic policy: set schedule.policy = "
+                "\"elastic\" and schedule.backend = \"local\" (or migration = false)")
         self._train_layout()
         return self
 

@@ -41,6 +41,7 @@ import torch
 
 from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
+from tidal.agent.preempt import LiveEpisodes, LiveGroup, SnapshotPolicy
 from tidal.agent.tasks import Demonstration, Task, TaskError, demonstrations, taught
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
@@ -51,7 +52,7 @@ from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_che
 from tidal.run.config import RunConfig, dump_config
 from tidal.run.loggers import LoggerError, LogStart
 from tidal.run.progress import RunLog
-from tidal.run.rollout import Episode, Rollouts, new_session_id
+from tidal.run.rollout import Episode, RolloutMigrator, Rollouts, new_session_id
 from tidal.sandbox import SandboxConfig
 from tidal.sandbox.types import Bind
 from tidal.schedule.backend import Work
@@ -135,6 +136,8 @@ class Parts:
         return rate
 
     def close(self) -> None:
+        if self.rollouts.live is not None:
+            self.rollouts.live.close()
         self.gateway.stop()
         self.engine.close()
         self.trainer.close()
@@ -225,6 +228,10 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
     store = LedgerStore(run_dir / "ledger.db")
     gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
                             lenient_tool_parsing=not cfg.engine.tool_parser_strict)
+    # live task groups saved as they run, so a killed run resumes their episodes
+    live = LiveEpisodes(run_dir / "live", store, gateway.gateway,
+                        SnapshotPolicy(cfg.rollout.snapshot_every, cfg.rollout.snapshot_every_s))
+    gateway.gateway.on_record.append(live.note_call)
     forget = getattr(engine, "forget", None)
     if callable(forget):  # a server pool drops an ended session's pin with the gateway
         gateway.gateway.on_forget.append(forget)
@@ -236,7 +243,7 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
         url, model_name, harness, new_runtime, store, sandbox=sandbox,
         environments=environments, default_time_limit_s=cfg.tasks.time_limit_s,
         time_limit_s=cfg.agent.timeout_sec or None, log_dir=run_dir / "harness",
-        forget=gateway.gateway.forget_session,
+        forget=gateway.gateway.forget_session, live=live,
     )
     evals = replace(rollouts, harness=eval_harness)
     return Parts(cfg, run_dir, tokenizer, engine, store, gateway,
@@ -320,12 +327,15 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
     is rebuilt into trees and trained. Returns the state, the last step's sessions (for
     the report's sample trees) and the schedule's summary."""
     cfg, store, log = parts.cfg, parts.store, parts.log
-    carry = _recover(store, state)  # what a killed attempt left
+    live = parts.rollouts.live
+    resumed = live.pending() if live is not None else []  # groups a killed attempt left live
+    carry = _recover(store, state, {sid for grp in resumed for _t, sid in grp.jobs})
     b, g = cfg.rollout.tasks_per_step, cfg.rollout.group_size
     rng = random.Random(cfg.seed * 1000 + state.step)
     plan: deque[Task] = deque()
     group_sids: dict[int, list[str]] = {}  # scheduled group -> its main sessions
-    sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg))
+    sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg),
+                                      migrator=RolloutMigrator(parts.rollouts))
     roll = partial(parts.rollouts.group, base_version=state.policy_version)
     train_ids = [t.task_id for t in parts.train_tasks]
     first_step = state.step
@@ -345,6 +355,31 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
         ids = sched.submit_many(Work(roll, (jobs,)) for jobs in works)
         group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
 
+    def resume_groups(pending: list[LiveGroup]) -> int:
+        """Queue the groups a killed attempt left live, first: their episodes continue
+        from their snapshots (`tidal.agent.preempt`). A group whose task this run does
+        not have is closed (infra_error)."""
+        by_id = {t.task_id: t for t in parts.train_tasks}
+        works, keys = [], []
+        for grp in pending:
+            if any(t not in by_id for t, _sid in grp.jobs):
+                _close(store, [sid for _t, sid in grp.jobs], "its task is not in this run")
+                assert live is not None
+                live.close_group(grp.key)
+                continue
+            works.append([(by_id[t], sid) for t, sid in grp.jobs])
+            keys.append(grp.key)
+        ids = sched.submit_many(Work(roll, (jobs,), {"resume": key})
+                                for jobs, key in zip(works, keys, strict=True))
+        group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
+        if works:  # what was resumed, and how much of it had been snapshotted
+            log.metrics({"phase": "resume", "step": state.step, "groups": len(works),
+                         "episodes": sum(len(j) for j in works),
+                         "episodes_done": sum(len(g.done) for g in pending),
+                         "snapshots": sum(r.snapshots for g in pending
+                                          for r in g.records.values())})
+        return len(works)
+
     sessions: list[str] = []
     groups: list[Sample] = []
     lost = 0  # groups dropped as stale or failed: replaced by new ones
@@ -362,7 +397,8 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             submit(k)
 
     with sched:
-        queue((cfg.rl.max_staleness + 1) * b)
+        todo -= resume_groups(resumed)
+        queue((cfg.rl.max_staleness + 1) * b - len(group_sids))
         t0, cpu0 = time.perf_counter(), _cpu_seconds()
         for mb in sched.iter_batches(steps=cfg.rl.steps - state.step, flush=False):
             groups.extend(mb.samples)
@@ -397,7 +433,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
                 sched=sched.metrics(),
                 sampled=_sampled(store, [s for e in eps for s in e.session_ids]),
                 engine={"weight_sync_s": sync_s, **parts.engine_metrics()},
-                trainer=parts.trainer.metrics(),
+                trainer={**parts.trainer.metrics(), **_snapshot_figures(live)},
             ))
             log.advance("rl")
             if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
@@ -486,22 +522,31 @@ def _sample_trees(
     (out / "index.json").write_text(json.dumps(index, indent=1))  # the report's tree table
 
 
-def _recover(store: LedgerStore, state: RunState) -> list[str]:
-    """After a kill: close sessions left without an outcome (infra_error: masked, not
-    punished) and return committed RL sessions that were never trained (nor dropped as
-    stale)."""
+def _recover(store: LedgerStore, state: RunState, resumed: set[str]) -> list[str]:
+    """After a kill: close sessions left without an outcome that will not be resumed
+    (`resumed`: those of live groups; infra_error: masked, not punished) and return
+    committed RL sessions that were never trained (nor dropped as stale)."""
     trained = set(state.trained_sessions) | set(state.dropped_sessions)
     outcomes = store.outcomes()
     carry = []
     for s in store.sessions():
         if s.parent_session_id is not None or not s.session_id.startswith("rl-"):
             continue
+        if s.session_id in resumed:
+            continue
         if s.session_id not in outcomes:
-            store.append_outcome(Outcome(s.session_id, Status.INFRA_ERROR, 0.0, 0.0,
-                                         {"error": "the run was killed mid-session"}))
+            _close(store, [s.session_id], "the run was killed mid-session")
         elif s.session_id not in trained:
             carry.append(s.session_id)
     return carry
+
+
+def _close(store: LedgerStore, session_ids: list[str], why: str) -> None:
+    """infra_error outcomes for recorded sessions that have none (masked, not punished)."""
+    outcomes = store.outcomes()
+    store.append_outcomes([Outcome(sid, Status.INFRA_ERROR, 0.0, 0.0, {"error": why})
+                           for sid in session_ids
+                           if store.has_session(sid) and sid not in outcomes])
 
 
 def _sampled(store: LedgerStore, session_ids: list[str]) -> tuple[int, float]:
@@ -556,6 +601,14 @@ def _step_row(
     }
 
 
+def _snapshot_figures(live: LiveEpisodes | None) -> dict[str, Any]:
+    """Live-episode snapshots so far in this process: how many, and the seconds spent
+    writing them (a snapshot holds up only a harness operation that starts meanwhile)."""
+    if live is None:
+        return {}
+    return {"snapshots": live.snapshots, "snapshot_s": round(live.snapshot_s, 3)}
+
+
 def _switching(engine: Any, cfg: RunConfig) -> dict[str, Any]:
     """Role switches that act on the engine: vLLM servers started here, one per device,
     sleep while their device trains and wake on the newest weights (a start's seconds)."""
@@ -575,4 +628,8 @@ def _schedule_summary(m: dict[str, Any]) -> dict[str, Any]:
         "staleness_trained": m["staleness"]["trained"],
         # seconds of every role switch so far (a vLLM server's stop or start among them)
         "switch_s": [round(x, 3) for x in m.get("switch_seconds", ())],
+        # live task groups moved off a device instead of draining it (schedule.migration),
+        # and the seconds each took to stop and save
+        "migrations": m.get("migrations", 0),
+        "migrate_s": [round(x, 3) for x in m.get("migrate_seconds", ())],
     }

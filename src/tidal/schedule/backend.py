@@ -86,7 +86,32 @@ class SwitchDone:
     seconds: float
 
 
-BackendEvent = Finished | Failed | SwitchDone
+@dataclass(frozen=True)
+class Migrated:
+    """A live session moved to `device` (`Backend.migrate`): stopped and saved where it
+    ran, continuing there, in `seconds` (stop + save; the resumed work restores and
+    fast-forwards itself on its new device)."""
+
+    session: int
+    device: int
+    seconds: float
+
+
+BackendEvent = Finished | Failed | SwitchDone | Migrated
+
+
+class Migrator(Protocol):
+    """What moving a live session needs from the one who made its work (`tidal run`'s
+    rollouts: `tidal.run.rollout.RolloutMigrator`): stop it after saving its state, and
+    the work that continues it from that state."""
+
+    def preempt(self, work: Work) -> None:
+        """Save the session's state and make its running `work` end soon (it raises)."""
+        ...
+
+    def resumed(self, work: Work) -> Work:
+        """The work that continues `work` from its saved state, on any device."""
+        ...
 
 
 class Backend(Protocol):
@@ -121,6 +146,10 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the devices; sessions still running are abandoned."""
         ...
+
+    # A backend that can move live sessions also has `can_migrate = True` and
+    # `migrate(session, src, dst)`: without blocking, stop the session on `src` and
+    # continue it on `dst`; report `Migrated`, then its `Finished` or `Failed` as usual.
 
 
 SwitchHook = Callable[[int, Role], None]

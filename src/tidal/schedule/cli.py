@@ -69,6 +69,17 @@ def simulate(
         float, typer.Option(help="Rescale ledger durations to this mean (h); 0: as recorded.")
     ] = 0.0,
     seed: Annotated[int, typer.Option(min=0, help="Workload seed.")] = 0,
+    growth: Annotated[float, typer.Option(
+        help="Sessions lengthen over the run: the last trained are this many times the "
+             "first (durations; tokens too unless --token-growth). 1: stationary.")
+    ] = 1.0,
+    token_growth: Annotated[float, typer.Option(
+        help="Growth of the sessions' tokens over the run (0: the same as --growth).")
+    ] = 0.0,
+    decode_speedup: Annotated[float, typer.Option(
+        help="Share of a full device's decode step that grows with the batch, in [0, 1]: "
+             "sessions run faster as their device empties (0: no speedup).")
+    ] = 0.0,
 ) -> None:
     """Compare colocated, fixed-split async and elastic scheduling on one workload."""
     from tidal.schedule.compare import Scenario, compare
@@ -79,9 +90,13 @@ def simulate(
          "--p99-hours": p99_hours, "--train-s-per-token": train_s_per_token,
          "--step-overhead-s": step_overhead_s, "--switch-to-train-s": switch_to_train_s,
          "--switch-to-rollout-s": switch_to_rollout_s, "--migrate-s": migrate_s,
-         "--ledger-mean-hours": ledger_mean_hours},
-        positive=("--mean-hours",),
+         "--ledger-mean-hours": ledger_mean_hours, "--growth": growth,
+         "--token-growth": token_growth, "--decode-speedup": decode_speedup},
+        positive=("--mean-hours", "--growth"),
     )
+    if decode_speedup > 1:
+        raise typer.BadParameter(f"must be in [0, 1], got {decode_speedup}",
+                                 param_hint="--decode-speedup")
     rules = [r.value for r in StalenessRule]
     if staleness_rule not in rules:
         raise typer.BadParameter(f"{staleness_rule!r} is not one of {', '.join(rules)}",
@@ -91,6 +106,12 @@ def simulate(
                                  f"--devices {devices}", param_hint="--async-train")
     wl = _workload(ledger, ledger_mean_hours=ledger_mean_hours, mean_hours=mean_hours,
                    p99_hours=p99_hours, sigma=sigma, tokens_per_s=tokens_per_s)
+    if growth != 1.0 or token_growth not in (0.0, growth):
+        from tidal.schedule.workload import DriftingWorkload
+
+        # the drift spans the sessions the run trains (steps x batch, in order)
+        wl = DriftingWorkload(wl, growth=growth, token_growth=token_growth or None,
+                              over_sessions=steps * (batch or devices * slots))
     try:
         sc = Scenario(
             n_devices=devices,
@@ -108,6 +129,7 @@ def simulate(
             seed=seed,
             async_train=async_train or None,
             workload=wl,
+            decode_speedup=decode_speedup,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
@@ -174,7 +196,12 @@ def _print(r: dict[str, Any]) -> None:
         f"workload {w['kind']}: mean {w['mean_s'] / 3600:.2f} h, median "
         f"{w['median_s'] / 3600:.2f} h, p99 {w['p99_s'] / 3600:.2f} h, "
         f"{w['mean_tokens']:.0f} tokens/session"
+        + (f" over the run; {w['summary']}" if w["kind"] == "drifting" else "")
     )
+    if sc.get("decode_speedup"):
+        con.print(f"decode speedup {sc['decode_speedup']:g}: a lone session on a device runs "
+                  f"{1 / (1 - sc['decode_speedup'] * (1 - 1 / sc['slots_per_device'])):.2f}x "
+                  "its full-load speed")
     t = Table(show_header=True)
     for col in (
         "policy", "samples/h", "util", "time to target", "staleness mean/max",

@@ -8,6 +8,10 @@ process (cheapest; use it when the work is I/O-bound, e.g. HTTP calls to a gatew
 
 A role switch runs the optional `on_switch(device, role)` hook in a thread (free or
 load models there), then waits `switch_delay_s` (to emulate switch costs in demos).
+
+With a `migrator` (thread mode), a live session can move to another device instead of
+the scheduler draining its device (`migrate`): the migrator saves the session and stops
+it, and the work it gives back continues it on the new device.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from tidal.schedule.backend import (
     BackendEvent,
     Failed,
     Finished,
+    Migrated,
+    Migrator,
     SessionContext,
     SwitchDone,
     SwitchHook,
@@ -52,6 +58,7 @@ class LocalBackend:
         on_switch: SwitchHook | None = None,
         switch_delay_s: float = 0.0,
         mp_context: str = "forkserver",
+        migrator: Migrator | None = None,
     ) -> None:
         if n_devices < 1 or slots_per_device < 1:
             raise ValueError("need at least one device and one slot per device")
@@ -68,7 +75,17 @@ class LocalBackend:
         self._lock = threading.Lock()
         self._switcher: ThreadPoolExecutor | None = None
         self._live: dict[int, tuple[int, Future[Any]]] = {}  # session -> (device, future)
+        self._works: dict[int, tuple[Work, SessionContext]] = {}
+        self._moving: set[int] = set()  # sessions being migrated: their end is not theirs
+        self.migrator = migrator
+        if migrator is not None and mode != "thread":
+            raise ValueError("migrating sessions needs mode='thread' (the migrator stops "
+                             "work running in this process)")
         self._closed = False
+
+    @property
+    def can_migrate(self) -> bool:
+        return self.migrator is not None
 
     @property
     def n_devices(self) -> int:
@@ -78,9 +95,10 @@ class LocalBackend:
     def slots_per_device(self) -> int:
         return self._c
 
-    def _new_pool(self) -> Executor:
+    def _new_pool(self, device: int) -> Executor:
         if self.mode == "thread":
-            return ThreadPoolExecutor(max_workers=self._c, thread_name_prefix="tidal-slot")
+            return ThreadPoolExecutor(max_workers=self._c,
+                                      thread_name_prefix=f"tidal-device{device}")
         return ProcessPoolExecutor(max_workers=self._c, mp_context=self._ctx)
 
     def start(self) -> None:
@@ -90,7 +108,7 @@ class LocalBackend:
         with self._lock:
             p = self._pools[device]
             if p is None:
-                p = self._pools[device] = self._new_pool()
+                p = self._pools[device] = self._new_pool(device)
             return p
 
     def launch(self, session: int, device: int, work: Work, ctx: SessionContext) -> None:
@@ -104,7 +122,45 @@ class LocalBackend:
             fut = self._pool(device).submit(_run_work, work, ctx)
         with self._lock:
             self._live[session] = (device, fut)
+            self._works[session] = (work, ctx)
         fut.add_done_callback(functools.partial(self._done, session, device, pool))
+
+    def migrate(self, session: int, src: int, dst: int) -> None:
+        """Stop `session` on `src` (the migrator saves it) and continue it on `dst`."""
+        assert self._switcher is not None, "start() the backend first"
+        if self.migrator is None:
+            raise RuntimeError("this backend has no migrator")
+        migrator = self.migrator
+        with self._lock:
+            got = self._live.get(session)
+            work, ctx = self._works[session]
+            self._moving.add(session)
+        if got is None:
+            raise RuntimeError(f"session {session} is not running")
+
+        def move() -> None:
+            t = time.perf_counter()
+            fut = got[1]
+            migrator.preempt(work)
+            exc = None
+            try:
+                fut.result()
+            except BaseException as e:  # the preempted work's end, expected
+                exc = e
+            with self._lock:
+                self._moving.discard(session)
+                if exc is None:
+                    self._live.pop(session, None)
+                    self._works.pop(session, None)
+            if exc is None:  # it had finished before it could be stopped
+                self._events.put(Migrated(session, dst, time.perf_counter() - t))
+                self._events.put(Finished(session, fut.result()))
+                return
+            resumed = migrator.resumed(work)
+            self._events.put(Migrated(session, dst, time.perf_counter() - t))
+            self.launch(session, dst, resumed, ctx)
+
+        self._switcher.submit(move)
 
     def _replace_pool(self, device: int, broken: Executor) -> None:
         with self._lock:
@@ -114,7 +170,11 @@ class LocalBackend:
 
     def _done(self, session: int, device: int, pool: Executor, fut: Future[Any]) -> None:
         with self._lock:
-            self._live.pop(session, None)
+            if session in self._moving:
+                return  # `migrate` reports it
+            if self._live.get(session, (None, None))[1] is fut:
+                self._live.pop(session, None)
+                self._works.pop(session, None)
         if fut.cancelled():
             self._events.put(Failed(session, "cancelled", infra=True))
             return

@@ -46,6 +46,7 @@ from tidal.schedule.backend import (
     BackendEvent,
     Failed,
     Finished,
+    Migrated,
     RolloutResult,
     SessionContext,
     SwitchDone,
@@ -139,10 +140,11 @@ class Scheduler:
                 f"backend has {backend.slots_per_device} slots per device, config says "
                 f"{config.slots_per_device}"
             )
-        if config.migration:
+        if config.migration and not getattr(backend, "can_migrate", False):
             raise ValueError(
-                "the real backends drain devices; session migration needs the sandbox "
-                "snapshot hook (see docs/scheduler.md), so config.migration must be False"
+                f"the {backend.name} backend cannot migrate live sessions (it needs a "
+                "migrator: tidal.schedule.backend.Migrator; see docs/scheduler.md), so "
+                "config.migration must be False"
             )
         self.backend = backend
         self.policy = policy
@@ -168,6 +170,7 @@ class Scheduler:
         self._pending_step_done = False  # the caller owes a step_done()
         self._flush = False
         self._switch_seconds: list[float] = []
+        self._migrate_seconds: list[float] = []
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -362,6 +365,7 @@ class Scheduler:
             m["policy"] = self.policy.name
             m["policy_version"] = self.pool.version
             m["switch_seconds"] = list(self._switch_seconds)
+            m["migrate_seconds"] = list(self._migrate_seconds)
             m["failed_sessions"] = [f.session for f in self._failed]
             m["dropped_sessions"] = list(self._dropped)
             m["queued"] = self.pool.queued
@@ -411,6 +415,9 @@ class Scheduler:
         elif isinstance(ev, SwitchDone):
             pool.switch_done(ev.device, now)
             self._switch_seconds.append(ev.seconds)
+        elif isinstance(ev, Migrated):
+            pool.migrated(ev.session, now)
+            self._migrate_seconds.append(ev.seconds)
 
     def _note_drops(self) -> None:
         for sid in list(self._results):
@@ -438,8 +445,9 @@ class Scheduler:
                 self.backend.set_role(e.device, e.to)
             elif isinstance(e, RunTrain):
                 trains.append(e)
-            elif isinstance(e, BeginMigrate):  # pragma: no cover - refused in __init__
-                raise ScheduleError("this backend cannot migrate sessions")
+            elif isinstance(e, BeginMigrate):  # only with a backend that can (__init__)
+                self._devices_of[e.session] = e.dst
+                self.backend.migrate(e.session, e.src, e.dst)  # type: ignore[attr-defined]
         if trains:
             # one mini-batch per decision pass: the trainer runs it data-parallel over
             # the devices that took part

@@ -5,7 +5,14 @@ order they were scheduled, device ids break ties in the policies, and session `i
 the same duration and tokens under every policy.
 
 Costs charged (all configurable):
-- rollout: a session occupies one slot of a rollout device for its duration;
+- rollout: a session occupies one slot of a rollout device for its duration. Its drawn
+  duration is measured at full load; with `decode_speedup = s > 0` a device running
+  `k` of its `S` slots decodes each of its sessions at `speed(k) = 1 / (1 - s + s k/S)`
+  times the full-load rate (a decode step costs a fixed part, `1 - s`, plus a part that
+  grows with the batch), so a session's remaining work (full-load seconds) runs faster
+  as its device empties. The simulation is exact: whenever `k` changes on a device,
+  the end events of its sessions are rescheduled (stale heap entries are skipped by a
+  per-session event number). `s = 0` (the default) is the plain slot model;
 - training: a micro-batch takes `tokens * train_s_per_token + train_overhead_s` on one
   train device (data-parallel: devices train different samples of one batch);
 - optimizer step: `step_overhead_s` on the devices that train when the batch completes;
@@ -16,6 +23,7 @@ Costs charged (all configurable):
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,12 +55,26 @@ class SimConfig:
     train_overhead_s: float = 0.0
     step_overhead_s: float = 30.0
     max_sim_s: float = 1e9
+    # share of a full device's decode step that grows with the batch (0: no speedup as
+    # the device empties; 1: a lone session runs `slots_per_device` times faster)
+    decode_speedup: float = 0.0
 
     def __post_init__(self) -> None:
         if self.target_samples < 1:
             raise ValueError("target_samples must be >= 1")
         if self.train_s_per_token < 0 or self.train_overhead_s < 0 or self.step_overhead_s < 0:
             raise ValueError("costs must be >= 0")
+        s = self.decode_speedup
+        if not (isinstance(s, int | float) and math.isfinite(s) and 0.0 <= s <= 1.0):
+            raise ValueError(f"decode_speedup must be a number in [0, 1], got {s!r}")
+
+    def decode_speed(self, k: int) -> float:
+        """How much faster than at full load a device with `k` busy slots decodes."""
+        c = self.pool.slots_per_device
+        s = self.decode_speedup
+        if s == 0.0 or k <= 0:
+            return 1.0
+        return 1.0 / (1.0 - s + s * min(k, c) / c)
 
 
 @dataclass
@@ -138,7 +160,15 @@ def simulate(
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
     end_at: dict[int, float] = {}  # live session -> scheduled end time
-    paused: dict[int, float] = {}  # migrating session -> remaining duration
+    end_seq: dict[int, int] = {}  # live session -> the heap entry of its end that counts
+    rate: dict[int, float] = {}  # live session -> full-load seconds done per second
+    paused: dict[int, float] = {}  # migrating session -> remaining work (full-load s)
+    # decode speedup: running sessions per device, and devices whose count changed
+    speedup = config.decode_speedup > 0.0
+    speeds = [config.decode_speed(k) for k in range(cfg.slots_per_device + 1)]
+    on_dev: list[dict[int, None]] = [{} for _ in range(cfg.n_devices)]
+    dev_of: dict[int, int] = {}
+    dirty: dict[int, None] = {}
     now = 0.0
     events = 0
     target = config.target_samples
@@ -148,15 +178,51 @@ def simulate(
     def push(t: float, kind: int, arg: int) -> None:
         nonlocal seq
         heapq.heappush(heap, (t, seq, kind, arg))
+        if kind == _END:
+            end_seq[arg] = seq
         seq += 1
+
+    def run_on(sid: int, d: int, work: float) -> None:
+        """`sid` decodes on `d` from now with `work` full-load seconds left."""
+        if speedup:
+            on_dev[d][sid] = None
+            dev_of[sid] = d
+            dirty[d] = None
+            r = speeds[len(on_dev[d])]
+        else:
+            r = 1.0
+        rate[sid] = r
+        t_end = now + work / r
+        end_at[sid] = t_end
+        push(t_end, _END, sid)
+
+    def leave(sid: int) -> None:
+        """`sid` stops decoding on its device (ended, or paused to migrate)."""
+        if speedup:
+            d = dev_of.pop(sid)
+            del on_dev[d][sid]
+            dirty[d] = None
+
+    def reschedule() -> None:
+        """Devices whose number of running sessions changed: their sessions go on at
+        the new speed from now (exact: work done so far at the old speed)."""
+        for d in sorted(dirty):
+            r_new = speeds[len(on_dev[d])]
+            for sid in on_dev[d]:
+                r_old = rate[sid]
+                if r_old == r_new:
+                    continue
+                work = (end_at[sid] - now) * r_old
+                rate[sid] = r_new
+                t_end = now + work / r_new
+                end_at[sid] = t_end
+                push(t_end, _END, sid)
+        dirty.clear()
 
     def carry_out(effects: list[Any]) -> None:
         for e in effects:
             if isinstance(e, Launch):
-                sid = e.session
-                t_end = now + float(table.durations[sid])
-                end_at[sid] = t_end
-                push(t_end, _END, sid)
+                run_on(e.session, e.device, float(table.durations[e.session]))
             elif isinstance(e, RunTrain):
                 work = sum(int(tok[s]) for s in e.sessions) * spt + config.train_overhead_s
                 push(now + work, _TRAIN, e.device)
@@ -164,13 +230,17 @@ def simulate(
                 push(now + cfg.switch_cost(e.to), _SWITCH, e.device)
             elif isinstance(e, BeginMigrate):
                 sid = e.session
-                paused[sid] = end_at.pop(sid) - now
+                paused[sid] = (end_at.pop(sid) - now) * rate.pop(sid)
+                del end_seq[sid]
+                leave(sid)
                 push(now + cfg.migrate_s, _MIGRATED, sid)
             elif isinstance(e, StepReady):
                 push(now + config.step_overhead_s, _STEP, e.version)
 
     def decide() -> None:
         carry_out(pool.run_policy(policy, now))
+        if dirty:
+            reschedule()
 
     decide()
     while heap and pool.trained < target:
@@ -178,17 +248,19 @@ def simulate(
         if now > config.max_sim_s:
             break
         while heap and heap[0][0] == now:
-            _, _, kind, arg = heapq.heappop(heap)
+            _, k_seq, kind, arg = heapq.heappop(heap)
             events += 1
             if kind == _END:
-                if end_at.get(arg) != now:
-                    continue  # superseded by a migration
-                del end_at[arg]
+                if end_seq.get(arg) != k_seq:
+                    continue  # superseded by a migration or a change of speed
+                del end_at[arg], end_seq[arg], rate[arg]
+                leave(arg)
                 pool.session_finished(arg, now, tokens=int(tok[arg]))
                 if pool.queued < cfg.n_devices * cfg.slots_per_device:
                     refill()
                     tok = table.tokens
-            elif kind == _TRAIN:
+                continue
+            if kind == _TRAIN:
                 ready = pool.train_done(arg, now)
                 if ready is not None:
                     carry_out([ready])
@@ -198,9 +270,8 @@ def simulate(
                 pool.step_done(now)
             else:  # _MIGRATED
                 pool.migrated(arg, now)
-                t_end = now + paused.pop(arg)
-                end_at[arg] = t_end
-                push(t_end, _END, arg)
+                s_mig = pool.sessions[arg]
+                run_on(arg, s_mig.device, paused.pop(arg))
         if pool.trained >= target:
             break
         decide()

@@ -6,9 +6,16 @@ trains.
   noise factor.
 - `EmpiricalWorkload`: resamples (duration, tokens) pairs, e.g. from a recorded run's
   ledger (`from_ledger`), optionally rescaled in time.
+- `DriftingWorkload`: a non-stationary wrapper. RL runs show sessions lengthening as
+  the policy learns to do more (more turns, more tool calls); session `i`'s base draw
+  is scaled by a factor that grows with `i` (submission order, a proxy for training
+  progress), from 1x to `growth` x over `over_sessions` sessions, durations and tokens
+  each with their own growth. A fixed rollout/train split tuned to the average is then
+  wrong at both ends of the run; an elastic one can follow.
 
 Session `i` gets the same draw in every simulation with the same seed, whatever the
-policy: draws come in fixed-size chunks, chunk `j` from `default_rng([seed, j])`.
+policy: draws come in fixed-size chunks, chunk `j` from `default_rng([seed, j])`
+(an indexed model, such as `DriftingWorkload`, is also told where the chunk starts).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +40,16 @@ class WorkloadModel(Protocol):
         ...
 
     def describe(self) -> dict[str, object]: ...
+
+
+@runtime_checkable
+class IndexedWorkloadModel(WorkloadModel, Protocol):
+    """A model whose draws depend on where the sessions fall in the run (non-stationary):
+    `SessionTable` calls `draw_at(rng, start, n)` for sessions `start .. start + n - 1`."""
+
+    def draw_at(
+        self, rng: np.random.Generator, start: int, n: int
+    ) -> tuple[FloatArray, IntArray]: ...
 
 
 @dataclass(frozen=True)
@@ -200,6 +217,138 @@ class EmpiricalWorkload:
         )
 
 
+def _num(x: object) -> float:
+    if not isinstance(x, int | float):
+        raise TypeError(f"expected a number, got {x!r}")
+    return float(x)
+
+
+GrowthShape = Literal["linear", "geometric"]
+GROWTH_SHAPES: tuple[GrowthShape, ...] = ("linear", "geometric")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DriftingWorkload:
+    """`base`'s sessions, lengthening over the run.
+
+    Session `i` (submission order) draws what `base` would draw for it, then its
+    duration is multiplied by `factor(i)` and its tokens by
+    `factor(i, token_growth)` (`token_growth=None`: the same as `growth`), where the
+    progress is `p = min(1, i / over_sessions)` and the factor `1 + (g - 1) p`
+    (`shape="linear"`) or `g ** p` (`"geometric"`). Sessions past `over_sessions` keep
+    the final factor. Set `over_sessions` to the run's target samples (the sessions
+    it trains, roughly in order) so that the last trained sessions are `growth` x the
+    first.
+
+    Equal growth of durations and tokens keeps the rollout/train cost ratio; unequal
+    growth moves it, which is where a fixed split loses most. `growth < 1` shrinks.
+    A drifting `base` drifts too (the factors multiply).
+    """
+
+    base: WorkloadModel = field(default_factory=LognormalWorkload)
+    growth: float = 3.0
+    over_sessions: int = 8192
+    token_growth: float | None = None
+    shape: GrowthShape = "linear"
+
+    def __post_init__(self) -> None:
+        _check_positive("growth", self.growth)
+        if self.token_growth is not None:
+            _check_positive("token_growth", self.token_growth)
+        if isinstance(self.over_sessions, bool) or not isinstance(self.over_sessions, int):
+            raise ValueError(f"over_sessions must be an int >= 1, got {self.over_sessions!r}")
+        if self.over_sessions < 1:
+            raise ValueError(f"over_sessions must be >= 1, got {self.over_sessions}")
+        if self.shape not in GROWTH_SHAPES:
+            raise ValueError(
+                f"shape must be one of {', '.join(GROWTH_SHAPES)}, got {self.shape!r}"
+            )
+        if not callable(getattr(self.base, "draw", None)):
+            raise ValueError(f"base must be a workload model (with draw), got {self.base!r}")
+
+    @property
+    def tokens_growth(self) -> float:
+        """The tokens' growth (`token_growth`, or `growth` when that is None)."""
+        return self.growth if self.token_growth is None else self.token_growth
+
+    def progress(self, idx: npt.ArrayLike) -> FloatArray:
+        """Training progress of sessions `idx`: 0 for the first, 1 from `over_sessions`."""
+        return np.minimum(1.0, np.asarray(idx, np.float64) / self.over_sessions)
+
+    def factor(self, idx: npt.ArrayLike, growth: float | None = None) -> FloatArray:
+        """How much the draws of sessions `idx` are scaled: durations by default,
+        tokens with `growth=self.tokens_growth`."""
+        g = self.growth if growth is None else growth
+        p = self.progress(idx)
+        if self.shape == "geometric":
+            return np.power(g, p)
+        return 1.0 + (g - 1.0) * p
+
+    def draw_at(
+        self, rng: np.random.Generator, start: int, n: int
+    ) -> tuple[FloatArray, IntArray]:
+        """Sessions `start .. start + n - 1`: `base`'s draw from `rng`, scaled."""
+        if start < 0 or n < 0:
+            raise ValueError(f"start and n must be >= 0, got start={start}, n={n}")
+        base = self.base
+        if isinstance(base, IndexedWorkloadModel):  # drifts stack: the factors multiply
+            dur, tok = base.draw_at(rng, start, n)
+        else:
+            dur, tok = base.draw(rng, n)
+        idx = np.arange(start, start + n)
+        dur = dur * self.factor(idx)
+        scaled = tok * self.factor(idx, self.tokens_growth)
+        return dur, np.maximum(1, np.rint(scaled)).astype(np.int64)
+
+    def draw(self, rng: np.random.Generator, n: int) -> tuple[FloatArray, IntArray]:
+        """The run's first `n` sessions (`draw_at` for any others)."""
+        return self.draw_at(rng, 0, n)
+
+    def describe(self) -> dict[str, object]:
+        """What it is, and its sessions over one run of `over_sessions` (seed 0):
+        `mean_s`, `median_s`, `p99_s`, `mean_tokens`; `first` and `last` are the
+        means at the start (the base's) and from `over_sessions` on."""
+        n = min(self.over_sessions, 200_000)
+        table = SessionTable(self, 0)
+        table.ensure(n)
+        d, t = table.durations[:n], table.tokens[:n]
+        base = self.base.describe()
+        first = {"mean_s": _num(base["mean_s"]), "mean_tokens": _num(base["mean_tokens"])}
+        end = self.over_sessions
+        last = {
+            "mean_s": first["mean_s"] * float(self.factor(end)),
+            "mean_tokens": first["mean_tokens"] * float(self.factor(end, self.tokens_growth)),
+        }
+        return {
+            "kind": "drifting",
+            "summary": self.label(),
+            "base": base,
+            "growth": self.growth,
+            "token_growth": self.tokens_growth,
+            "shape": self.shape,
+            "over_sessions": self.over_sessions,
+            "mean_s": float(d.mean()),
+            "median_s": float(np.median(d)),
+            "p99_s": float(np.quantile(d, 0.99)),
+            "mean_tokens": float(t.mean()),
+            "first": first,
+            "last": last,
+        }
+
+    def label(self) -> str:
+        """One line: what drifts, how much, over how many sessions."""
+        if self.tokens_growth == self.growth:
+            what = f"durations and tokens x{self.growth:g}"
+        else:
+            what = f"durations x{self.growth:g}, tokens x{self.tokens_growth:g}"
+        return f"{what} ({self.shape}) over {self.over_sessions} sessions"
+
+
 class SessionTable:
     """Per-session (duration, tokens), drawn lazily in fixed chunks so that session `i`
     is the same in every run with the same seed."""
@@ -231,8 +380,13 @@ class SessionTable:
             raise ValueError(f"this fixed session table has only {have} sessions, {n} needed")
         ds, ts = [self.durations], [self.tokens]
         j = have // self.CHUNK
+        model = self.model
         while have < n:
-            d, t = self.model.draw(np.random.default_rng([self.seed, j]), self.CHUNK)
+            rng = np.random.default_rng([self.seed, j])
+            if isinstance(model, IndexedWorkloadModel):
+                d, t = model.draw_at(rng, j * self.CHUNK, self.CHUNK)
+            else:
+                d, t = model.draw(rng, self.CHUNK)
             ds.append(d)
             ts.append(t)
             have += self.CHUNK

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from tidal.ledger.store import LedgerStore
-from tidal.ledger.types import Outcome, StoredCall
+from tidal.ledger.store import CallLog, LedgerStore
+from tidal.ledger.types import Outcome, PromptDelta, StoredCall
 from tidal.tree.compaction import CarriedSummaries
 from tidal.tree.trie import CallPlace, SessionTrie, TreeError, build_trie
 
@@ -123,9 +123,39 @@ def load_sessions(
     if session_ids is None:
         known = set(ids)
         ids += [s for s in outcomes if s not in known]
-    return [
-        SessionData(sid, store.call_log(sid).calls, outcomes.get(sid)) for sid in ids
-    ]
+    out = []
+    for sid in ids:
+        outcome = outcomes.get(sid)
+        log = store.call_log(sid)
+        gone = abandoned(outcome)
+        calls = without_calls(log, gone) if gone else log.calls
+        if gone and not calls:
+            continue  # every call of it was on a branch its resumed episode did not take
+        out.append(SessionData(sid, calls, outcome))
+    return out
+
+
+def abandoned(outcome: Outcome | None) -> frozenset[str]:
+    """The calls an outcome says its resumed session never asked for again
+    (`details.abandoned_calls`, `tidal.agent.preempt`): a branch sampled before a
+    preemption that the resumed session did not take. They are not trained."""
+    if outcome is None:
+        return frozenset()
+    got = (outcome.details or {}).get("abandoned_calls") or ()
+    return frozenset(c for c in got if isinstance(c, str))
+
+
+def without_calls(log: CallLog, gone: frozenset[str]) -> tuple[StoredCall, ...]:
+    """The session's calls less `gone`; a kept call whose prompt was stored against a
+    dropped one gets its whole prompt instead (the trie merges it by tokens)."""
+    out = []
+    for sc in log.calls:
+        if sc.call_id in gone:
+            continue
+        rebased = sc.prompt.base_call_id in gone
+        out.append(replace(sc, prompt=PromptDelta(None, 0, log.prompt_ids(sc.call_id)))
+                   if rebased else sc)
+    return tuple(out)
 
 
 def group_episodes(sessions: Sequence[SessionData]) -> list[list[SessionData]]:
