@@ -255,3 +255,17 @@ def test_rollback_forgets_the_session_row_and_contexts(tmp_path: Path) -> None:
         assert sc.prompt.base_call_id is None
         assert {s.task_id for s in store.sessions()} == {"t2"}
         assert store.check() == []
+
+
+def test_episode_sessions_walks_every_linked_session_breadth_first(tmp_path: Path) -> None:
+    with LedgerStore(tmp_path / "l.db") as store:
+        store.append_calls([
+            mk_call("main", "m0"),
+            mk_call("sub1", "a0", parent_call_id="m0", parent_session_id="main"),
+            mk_call("sub2", "b0", parent_call_id="m0", parent_session_id="main"),
+            mk_call("sub1-sub1", "c0", parent_call_id="a0", parent_session_id="sub1"),
+            mk_call("other", "o0"),
+        ])
+        assert store.episode_sessions("main") == ["main", "sub1", "sub2", "sub1-sub1"]
+        assert store.episode_sessions("sub1") == ["sub1", "sub1-sub1"]
+        assert store.episode_sessions("other") == ["other"]

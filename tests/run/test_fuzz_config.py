@@ -152,7 +152,10 @@ def config_data(data: st.DataObject) -> dict[str, Any]:
         model = SECTIONS[name]
         keys = data.draw(st.lists(st.sampled_from(sorted(model.model_fields)), max_size=4,
                                   unique=True), label=f"{name} keys")
-        out[name] = {k: valid_value(data, model, k, DEFAULTS[name][k]) for k in keys}
+        values = {k: valid_value(data, model, k, DEFAULTS[name][k]) for k in keys}
+        # TOML has no null: a key whose default is None (train.lora) is written by leaving
+        # it out
+        out[name] = {k: v for k, v in values.items() if v is not None}
     for _ in range(data.draw(st.integers(0, 3), label="mutations")):
         mutate(data, out)
     return out

@@ -38,8 +38,9 @@ import json
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -178,8 +179,10 @@ class LiveEpisodes:
         self._stopped: set[str] = set()  # preempted groups: episodes may not start
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.snapshot_s = 0.0  # seconds spent writing snapshots in this process
+        # seconds in snapshots in this process (waiting for a running command included)
+        self.snapshot_s = 0.0
         self.snapshots = 0
+        self.failures = 0  # snapshots that failed (warned; the episode goes on)
 
     # ---------------------------------------------------------------- groups
 
@@ -229,14 +232,6 @@ class LiveEpisodes:
 
     # ---------------------------------------------------------------- episodes
 
-    def episode_sessions(self, session_id: str) -> list[str]:
-        """The episode's recorded sessions: the main one and its subagents, depth first."""
-        out, i = [session_id], 0
-        while i < len(out):
-            out += [c for c in self.store.child_sessions(out[i]) if c not in out]
-            i += 1
-        return [s for s in out if self.store.has_session(s)]
-
     @contextlib.contextmanager
     def runtime(
         self, group: str, task_id: str, session_id: str, config: SandboxConfig,
@@ -258,10 +253,10 @@ class LiveEpisodes:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 record = EpisodeRecord(**json.loads((d / f"{session_id}.json").read_text()))
             if self.replay is not None:
-                self.replay.replay(self.episode_sessions(session_id))
+                self.replay.replay(self.store.episode_sessions(session_id))
         cm: contextlib.AbstractContextManager[ToolRuntime]
         if resume and snapshots and saved.exists():
-            cm = _restored(saved)
+            cm = _restored(saved, config)
         else:
             saved.unlink(missing_ok=True)
             record = replace(record, snapshots=0)
@@ -365,12 +360,14 @@ class LiveEpisodes:
                 took = time.perf_counter() - t0
                 self.snapshots += 1
                 self.snapshot_s += took
-        live.record = replace(
-            live.record, elapsed_s=time.monotonic() - live.started,
-            snapshots=live.record.snapshots + bool(took), snapshot_s=live.record.snapshot_s + took)
-        live.since, live.last = 0, time.monotonic()
+        with self._lock:  # note_call updates the same record from the gateway's threads
+            live.record = record = replace(
+                live.record, elapsed_s=time.monotonic() - live.started,
+                snapshots=live.record.snapshots + bool(took),
+                snapshot_s=live.record.snapshot_s + took)
+            live.since, live.last = 0, time.monotonic()
         if d.is_dir():
-            _write_json(d / f"{sid}.json", asdict(live.record))
+            _write_json(d / f"{sid}.json", asdict(record))
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -394,12 +391,19 @@ class LiveEpisodes:
                     due += [s for s, lv in self._live.items()
                             if now - lv.last >= every_s and s not in due]
             for sid in due:
-                self.snapshot_now(sid)
+                try:
+                    self.snapshot_now(sid)
+                except Exception as e:  # a full disk, a broken sandbox: the next one may do
+                    self.failures += 1
+                    warnings.warn(f"snapshot of live episode {sid} failed: "
+                                  f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=1)
 
 
 @contextlib.contextmanager
-def _restored(path: Path) -> Iterator[ToolRuntime]:
-    with Sandbox.restore(path) as sb:
+def _restored(path: Path, config: SandboxConfig) -> Iterator[ToolRuntime]:
+    """The saved layer and log under this run's config: its limits, ports and mounts,
+    and the image and layers where they live on this machine."""
+    with Sandbox.restore(path, **{f.name: getattr(config, f.name) for f in fields(config)}) as sb:
         yield SandboxRuntime(sb)
 
 

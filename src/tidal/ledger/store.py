@@ -706,6 +706,15 @@ class LedgerStore:
             ).fetchall()
         return [r[0] for r in rows]
 
+    def episode_sessions(self, session_id: str) -> list[str]:
+        """`session_id` and every session linked below it (subagents, theirs, ...),
+        breadth first: the recorded sessions of one episode."""
+        out, i = [session_id], 0
+        while i < len(out):
+            out += [c for c in self.child_sessions(out[i]) if c not in out]
+            i += 1
+        return out
+
     def sessions(self) -> list[SessionInfo]:
         with self._lock:
             rows = self._db.execute(

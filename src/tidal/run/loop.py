@@ -398,7 +398,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
 
     with sched:
         todo -= resume_groups(resumed)
-        queue((cfg.rl.max_staleness + 1) * b - len(group_sids))
+        queue(max(0, (cfg.rl.max_staleness + 1) * b - len(group_sids)))
         t0, cpu0 = time.perf_counter(), _cpu_seconds()
         for mb in sched.iter_batches(steps=cfg.rl.steps - state.step, flush=False):
             groups.extend(mb.samples)
@@ -602,8 +602,9 @@ def _step_row(
 
 
 def _snapshot_figures(live: LiveEpisodes | None) -> dict[str, Any]:
-    """Live-episode snapshots so far in this process: how many, and the seconds spent
-    writing them (a snapshot holds up only a harness operation that starts meanwhile)."""
+    """Live-episode snapshots so far in this process: how many, and the seconds they took
+    (waiting for a running command to end included; a snapshot holds up only a harness
+    operation that starts while it is written)."""
     if live is None:
         return {}
     return {"snapshots": live.snapshots, "snapshot_s": round(live.snapshot_s, 3)}

@@ -72,10 +72,7 @@ def new_session_id(phase: str, step: int, task_id: str, k: int) -> str:
 def _episode_sessions(store: LedgerStore, main: str, known: Sequence[str]) -> list[str]:
     """The main session, then every recorded session below it (subagents), then those
     the harness reported that the store does not link (kept for their statuses)."""
-    out, i = [main], 0
-    while i < len(out):
-        out += [c for c in store.child_sessions(out[i]) if c not in out]
-        i += 1
+    out = store.episode_sessions(main)
     return out + [s for s in known if s not in out]
 
 
