@@ -340,7 +340,7 @@ class Gateway:
         """Put resumed sessions in replay mode (`tidal.gateway.replay`): a chat call of
         one of them whose prompt ids equal a recorded call's is answered with that call,
         recording nothing. Returns the number of recorded calls waiting."""
-        replays = {sid: Replay.of(self.store.call_log(sid)) for sid in session_ids
+        replays = {sid: Replay(self.store.call_log(sid)) for sid in session_ids
                    if self.store.has_session(sid)}
         with self._lock:
             self._replays.update(replays)

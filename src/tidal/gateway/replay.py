@@ -9,7 +9,7 @@ calls and their ids, call id, policy version) and records nothing. The first cal
 matches no recorded prompt (the harness saw something new: a command whose output
 changed, or it is past the last recorded call) is sampled and recorded as usual.
 
-    replay = Replay.of(store.call_log(session_id))
+    replay = Replay(store.call_log(session_id))
     hit = replay.take(prompt_ids)      # the recorded call, or None: go live
     replay.left                        # recorded calls never asked for again
 
@@ -56,10 +56,6 @@ class Replay:
         for sc in log.calls:
             self._by_len.setdefault(sc.prompt.prompt_len, deque()).append(sc.call_id)
         self._served: list[str] = []
-
-    @classmethod
-    def of(cls, log: CallLog) -> Replay:
-        return cls(log)
 
     def take(self, prompt_ids: npt.NDArray[np.integer]) -> Call | None:
         """The first recorded call not yet served whose prompt is exactly `prompt_ids`
