@@ -7,11 +7,20 @@ rolls out groups of agent-shaped sessions on the embedded engine: `--tasks` task
 token prompt then `--turns` calls that append the answer and a tool result. Then one
 `TreeTrainer.step` on their trees (merged, packed) from the same weights.
 
-Prints JSON per mode: rollout wall time and sampled tokens/s; the trainer's recompute
-mismatch (`max_abs_logprob_diff`, `mean_abs_logprob_diff`, `token_kl`, the fraction
-of importance weights clipped); the step's seconds; and the cost ratios.
+Two models, measured side by side in one run: `tiny` (4 layers, hidden 128, its 151k
+vocabulary dominating), with the workload below, and a randomly initialised model of
+Qwen2.5-0.5B's shape (24 layers, hidden 896), on a smaller workload (2 tasks x 4
+sessions x 2 calls of 32 tokens, 256-token prompts) so that it takes minutes on 2 cores.
+Each mode runs `--repeats` times (the 0.5B-shaped model at most twice), the modes alternating so
+that a shared machine's slow spells fall on both; times are medians.
 
-    .venv/bin/python bench/consistent.py [--tasks 4] [--group 4] [--turns 4]
+Prints JSON per model and mode: rollout wall time and sampled tokens/s; the trainer's
+recompute mismatch (`max_abs_logprob_diff`, `mean_abs_logprob_diff`, `token_kl`, the
+fraction of importance weights clipped); the step's seconds; and the cost ratios
+(`rollout_cost`, `train_step_cost`: consistent over standard).
+
+    .venv/bin/python bench/consistent.py [--models tiny,qwen2.5-0.5b-shaped] [--repeats 3]
+                                         [--tasks 4] [--group 4] [--turns 4]
                                          [--max-tokens 48] [--prompt 300] [--threads 2]
                                          [--prefix-cache-mb 256]
 """
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -65,16 +75,44 @@ def session_tree(name: str, calls: list[tuple[list[int], Any]], group: str, adv:
     return TrainTree(name, tuple(segs), (Branch(len(segs) - 1, adv, 1.0, group),))
 
 
-def measure(numerics: str, args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+MODELS = ("tiny", "qwen2.5-0.5b-shaped")
+# Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads over 2 KV heads, MLP 4864, tied
+# 151,936-token vocabulary), randomly initialised: what a real small policy costs.
+QWEN05_SHAPE: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "hidden_act": "silu", "use_sliding_window": False,
+    "initializer_range": 0.02,
+}
+# The 0.5B-shaped model's workload: the tiny one's shape, scaled to minutes on 2 cores.
+QWEN05_WORKLOAD = {"tasks": 2, "group": 4, "turns": 2, "max_tokens": 32, "prompt": 256}
+
+
+def model_dir(name: str) -> Path:
+    """The model's checkpoint directory (the 0.5B-shaped one built once and cached)."""
+    from tidal.engine.tiny import default_cache_root, ensure_tiny
+
+    if name == "tiny":
+        return ensure_tiny()
+    out = default_cache_root() / "bench-qwen2.5-0.5b-shaped"
+    if not (out / "config.json").exists():
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(**QWEN05_SHAPE)).save_pretrained(out)
+    return out
+
+
+def rollout_all(numerics: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    """Every session of the workload at once on a fresh engine: its sessions and time."""
     from tidal.engine.base import SamplingParams
     from tidal.engine.embedded import EmbeddedEngine
-    from tidal.engine.model import load_policy_model
-    from tidal.train import LossConfig, TreeTrainer
 
     prompts = [np.random.default_rng(100 + t).integers(0, 5000, size=args.prompt).tolist()
                for t in range(args.tasks)]
     sessions: dict[tuple[int, int], list[tuple[list[int], Any]]] = {}
-    with EmbeddedEngine(model_dir, numerics=numerics, seed=0,
+    with EmbeddedEngine(directory, numerics=numerics, seed=0,
                         prefix_cache_mb=args.prefix_cache_mb) as eng:
         eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
 
@@ -88,59 +126,102 @@ def measure(numerics: str, args: argparse.Namespace, model_dir: Path) -> dict[st
             th.start()
         for th in threads:
             th.join()
-        rollout_s = time.perf_counter() - t0
-    sampled = sum(int(gen.output_ids.shape[0]) for calls in sessions.values()
-                  for _, gen in calls)
-    prompt_tokens = sum(len(p) for calls in sessions.values() for p, _ in calls)
-    cached = sum(int(gen.extra["cached_tokens"]) for calls in sessions.values()
-                 for _, gen in calls)
+        return {"sessions": sessions, "seconds": time.perf_counter() - t0}
+
+
+def train_once(numerics: str, sessions: dict[tuple[int, int], Any], directory: Path) -> Any:
+    """One `TreeTrainer.step` on the sessions' trees from the checkpoint's weights."""
+    from tidal.engine.model import load_policy_model
+    from tidal.train import LossConfig, TreeTrainer
+
     trees = [session_tree(f"t{t}-{g}", calls, f"task{t}", 1.0 if g % 2 else -1.0)
              for (t, g), calls in sorted(sessions.items())]
-    model = load_policy_model(model_dir)
+    model = load_policy_model(directory)
     trainer = TreeTrainer(
         model, torch.optim.AdamW(model.parameters(), lr=1e-4), LossConfig(),
         attention="consistent" if numerics == "consistent" else "auto",
     )
     t0 = time.perf_counter()
     m = trainer.step(trees)
-    step_s = time.perf_counter() - t0
-    return {
-        "rollout_s": round(rollout_s, 2),
-        "sampled_tokens": sampled,
-        "prompt_tokens": prompt_tokens,
-        "prompt_tokens_computed": prompt_tokens - cached,
-        "sampled_tokens_per_s": round(sampled / rollout_s, 1),
-        "train_step_s": round(step_s, 2),
-        "train_tokens": m.tokens,
-        "max_abs_logprob_diff": m.max_abs_logprob_diff,
-        "mean_abs_logprob_diff": m.mean_abs_logprob_diff,
-        "token_kl": m.token_kl,
-        "is_clipped_fraction": m.is_clipped_fraction,
-    }
+    return m, time.perf_counter() - t0
+
+
+def measure_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Both modes on one model, `--repeats` times each, the modes alternating (so slow
+    spells of a shared machine fall on both); times are medians."""
+    directory = model_dir(name)
+    modes = ("standard", "consistent")
+    rollouts: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    steps: dict[str, list[tuple[Any, float]]] = {m: [] for m in modes}
+    for _ in range(args.repeats):
+        for mode in modes:
+            rollouts[mode].append(rollout_all(mode, args, directory))
+    for _ in range(args.repeats):
+        for mode in modes:
+            steps[mode].append(train_once(mode, rollouts[mode][0]["sessions"], directory))
+    out: dict[str, Any] = {"workload": {k: getattr(args, k) for k in
+                                        ("tasks", "group", "turns", "max_tokens", "prompt")}}
+    for mode in modes:
+        sessions = rollouts[mode][0]["sessions"]
+        rollout_s = float(np.median([r["seconds"] for r in rollouts[mode]]))
+        step_s = float(np.median([s for _, s in steps[mode]]))
+        m = steps[mode][0][0]
+        sampled = sum(int(gen.output_ids.shape[0]) for calls in sessions.values()
+                      for _, gen in calls)
+        prompt_tokens = sum(len(p) for calls in sessions.values() for p, _ in calls)
+        cached = sum(int(gen.extra["cached_tokens"]) for calls in sessions.values()
+                     for _, gen in calls)
+        out[mode] = {
+            "rollout_s": round(rollout_s, 2),
+            "rollout_s_each": [round(r["seconds"], 2) for r in rollouts[mode]],
+            "sampled_tokens": sampled,
+            "prompt_tokens": prompt_tokens,
+            "prompt_tokens_computed": prompt_tokens - cached,
+            "sampled_tokens_per_s": round(sampled / rollout_s, 1),
+            "train_step_s": round(step_s, 2),
+            "train_step_s_each": [round(s, 2) for _, s in steps[mode]],
+            "train_tokens": m.tokens,
+            "max_abs_logprob_diff": m.max_abs_logprob_diff,
+            "mean_abs_logprob_diff": m.mean_abs_logprob_diff,
+            "token_kl": m.token_kl,
+            "is_clipped_fraction": m.is_clipped_fraction,
+        }
+    s, c = out["standard"], out["consistent"]
+    out["rollout_cost"] = round(c["rollout_s"] / s["rollout_s"], 2)
+    out["train_step_cost"] = round(c["train_step_s"] / s["train_step_s"], 2)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,qwen2.5-0.5b-shaped",
+                    help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each mode on the tiny model (the 0.5B-shaped one: at most 2)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256.0,
                     help="the engine's prefix cache (0: off, every call prefills its prompt)")
     args = ap.parse_args()
-
-    from tidal.engine.tiny import ensure_tiny
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
 
     torch.set_num_threads(args.threads)
-    model_dir = ensure_tiny()
-    out: dict[str, Any] = {"bench": "consistent_numerics", "config": vars(args)}
-    for numerics in ("standard", "consistent"):
-        out[numerics] = measure(numerics, args, model_dir)
-    s, c = out["standard"], out["consistent"]
-    out["rollout_cost"] = round(c["rollout_s"] / s["rollout_s"], 2)
-    out["train_step_cost"] = round(c["train_step_s"] / s["train_step_s"], 2)
+    out: dict[str, Any] = {"bench": "consistent_numerics", "config": vars(args), "models": {}}
+    for name in names:
+        margs = argparse.Namespace(**vars(args))
+        if name != "tiny":
+            vars(margs).update(QWEN05_WORKLOAD, repeats=min(args.repeats, 2))
+        out["models"][name] = measure_model(name, margs)
+        print(json.dumps({name: {k: out["models"][name][k]
+                                 for k in ("rollout_cost", "train_step_cost")}}),
+              file=sys.stderr, flush=True)
     print(json.dumps(out, indent=2))
 
 

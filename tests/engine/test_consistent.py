@@ -26,7 +26,10 @@ from tidal.engine.consistent import (
     ConsistentModel,
     KeyLists,
     block_attention,
+    tile_plan,
+    tile_sizes,
     tiled_linear,
+    tiled_logprobs,
 )
 from tidal.engine.consistent_batch import ConsistentDecodeBatch
 from tidal.engine.embedded import EmbeddedEngine
@@ -55,6 +58,69 @@ def test_tiled_linear_rows_depend_only_on_their_input() -> None:
     torch.testing.assert_close(full, torch.nn.functional.linear(x, w, b))
     for start, n in [(0, 1), (5, 1), (3, 2), (9, 3), (1, TILE_ROWS + 1), (20, 50)]:
         assert torch.equal(tiled_linear(x[start : start + n], w, b), full[start : start + n])
+
+
+def test_tile_plans_cover_rows_and_long_inputs_keep_each_rows_bits() -> None:
+    sizes = (4, 8, 16, 64, 256)
+    assert [tile_plan(m, sizes) for m in (1, 5, 8, 12, 17, 300)] == [
+        [4], [8], [8], [16], [16, 4], [256, 64]]
+    assert tile_plan(5, (16,)) == [16]  # only the reference agrees: everything padded to it
+    torch.manual_seed(3)
+    w, b = torch.randn(384, 128), torch.randn(384)
+    assert TILE_ROWS in tile_sizes(w, b)
+    x = torch.randn(600, 128)  # 256-row tiles where they agree, then the rest
+    full = tiled_linear(x, w, b)
+    torch.testing.assert_close(full, torch.nn.functional.linear(x, w, b))
+    for start, n in [(0, 1), (599, 1), (250, 12), (100, 300)]:
+        assert torch.equal(tiled_linear(x[start : start + n], w, b), full[start : start + n])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_tiled_logprobs_are_the_log_softmax_and_differentiate_like_it(
+    keep: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bit for bit the log-softmax of the tiled logits at the targets; gradients as plain
+    autograd's, whether the forward kept the softmax or backward recomputes it."""
+    if not keep:
+        monkeypatch.setattr("tidal.engine.consistent.KEEP_PROBS_BYTES", 0)
+    torch.manual_seed(4)
+    h = torch.randn(300, 32, requires_grad=True)
+    w = torch.randn(500, 32, requires_grad=True)
+    b = torch.randn(500, requires_grad=True)
+    tgt = torch.randint(0, 500, (300,))
+    lp = tiled_logprobs(h, w, b, tgt)
+    with torch.no_grad():
+        want = tiled_linear(h, w, b).float().log_softmax(-1).gather(1, tgt[:, None])[:, 0]
+    assert torch.equal(lp.detach(), want)
+    weights = torch.randn(300)
+    grads = torch.autograd.grad((lp * weights).sum(), (h, w, b))
+    ref = torch.nn.functional.linear(h, w, b).log_softmax(-1).gather(1, tgt[:, None])[:, 0]
+    for got, exp in zip(grads, torch.autograd.grad((ref * weights).sum(), (h, w, b)),
+                        strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+
+
+def test_block_attention_differentiates_like_attention() -> None:
+    """The plain backward over a stream long enough for 256-query chunks: SDPA's
+    gradients; the forward rows of the long stream are each row's own."""
+    torch.manual_seed(5)
+    n, h, g, d = 300, 4, 2, 16
+    q, k, v = (torch.randn(n, c, d, requires_grad=True) for c in (h, g, g))
+    lists = causal_lists(n)
+    out = block_attention(q, k, v, lists, d**-0.5)
+    ref = sdpa(q.transpose(0, 1)[None], k.repeat_interleave(h // g, 1).transpose(0, 1)[None],
+               v.repeat_interleave(h // g, 1).transpose(0, 1)[None], is_causal=True,
+               )[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    up = torch.randn(n, h, d)
+    for got, exp in zip(torch.autograd.grad((out * up).sum(), (q, k, v)),
+                        torch.autograd.grad((ref * up).sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        sel = torch.tensor([0, 257, 299])
+        part = block_attention(q[sel], k, v, KeyLists(lists.keys_R_L, lists.list_T[sel],
+                                                      lists.len_T[sel]), d**-0.5)
+        assert torch.equal(part, out.detach()[sel])
 
 
 def test_block_attention_is_attention_and_order_free() -> None:

@@ -11,14 +11,24 @@ every kernel called at a fixed shape, so the same token in the same context gets
 bitwise the same logits whether the engine decodes it in a batch of 1 or 16 or the
 trainer recomputes it inside a 4,000-token tree stream:
 
-- linear layers run on tiles of exactly `TILE_ROWS` rows (padded): a matmul's result
-  for a row then never depends on how many rows came with it (BLAS libraries choose
-  other kernels for 1-3 rows than for 16, and GPUs split reductions by shape);
-- attention runs on chunks of exactly `QUERY_CHUNK` queries against blocks of exactly
-  `KEY_BLOCK` keys, each query's keys gathered in position order from its own list and
-  combined block by block with an online softmax (blocks past a query's length are
-  exact no-ops: their weights are 0 and the running maximum does not move);
-- RMSNorm, RoPE (angles computed elementwise), SiLU and log-softmax work row by row.
+- linear layers run on fixed row tiles (padded): a matmul's result for a row then never
+  depends on how many rows came with it (BLAS libraries choose other kernels for 1-3
+  rows than for 16, and GPUs split reductions by shape). `TILE_ROWS` is the reference;
+  another tile of `ROW_TILES` (4..256) is used only where it was checked to give every
+  row the reference's bits (`tile_sizes`), so a decode batch of 8 is not padded to 16
+  and a long stream reads each weight once per 256 rows;
+- attention runs on fixed query chunks (`QUERY_CHUNK` the reference, `QUERY_CHUNKS`
+  where they agree: `chunk_sizes`) against blocks of exactly `KEY_BLOCK` keys, each
+  query's keys gathered in position order from its own list and combined block by
+  block with an online softmax (blocks past a query's length are exact no-ops: their
+  weights are 0 and the running maximum does not move);
+- RMSNorm, RoPE (angles computed elementwise), SiLU and log-softmax work row by row;
+  the vocabulary projection and its log-softmax run 256 rows at a time
+  (`tiled_logprobs`), never as one [N, V] matrix.
+
+Gradients need no bitwise identity: the linear layers' backward is one full-size
+matmul, attention's is plain softmax attention per query chunk (`_BlockAttention`),
+the log-softmax's comes from the softmax its forward kept.
 
 Both sides use it: `EmbeddedEngine(numerics="consistent")` samples from it (its KV cache
 is a slot store, `ConsistentDecodeBatch` in `consistent_batch.py`), and the trainer's
@@ -26,8 +36,8 @@ is a slot store, `ConsistentDecodeBatch` in `consistent_batch.py`), and the trai
 recorded rollout log-probability of a token equals the trainer's bit for bit when the
 weights are the same (`tests/engine/test_consistent.py`).
 
-Deliberately simplified: plain PyTorch ops, no fused kernels, so it is several times
-slower than the standard path (bench/consistent.py measures it); Qwen2, Qwen3 and Llama
+Deliberately simplified: plain PyTorch ops, no fused kernels (bench/consistent.py
+measures the cost against the standard path: ~1.1-1.2x); Qwen2, Qwen3 and Llama
 decoders with full attention and default RoPE only; sampling must be at temperature 1
 without top-k/top-p for the trainer's plain log-softmax to be the distribution sampled
 from (other settings are a different distribution, not a numerical mismatch).
@@ -40,6 +50,7 @@ query heads share one), D head dim, V vocabulary, M rows, K input features.
 # ruff: noqa: N815 - shape-suffix field names (len_T) are the project convention
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,14 +58,110 @@ import numpy as np
 import torch
 from torch.nn.functional import silu
 
-TILE_ROWS = 16
-QUERY_CHUNK = 32
+TILE_ROWS = 16  # the reference row tile: every row's result is what this tile gives
+ROW_TILES = (4, 8, 16, 64, 256)  # the tiles used where they agree with it (`tile_sizes`)
+QUERY_CHUNK = 16  # the reference query chunk of attention
+QUERY_CHUNKS = (4, 8, 16, 64, 256)
 KEY_BLOCK = 64
+WIDE_ROWS = 256  # rows per block of the vocabulary projection in `tiled_logprobs`
+KEEP_PROBS_BYTES = 2 << 30  # the largest softmax `tiled_logprobs` keeps for backward
+BACKWARD_BYTES = 64 << 20  # attention scores per query chunk in backward
 SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+# attention as a function of (q [T, H, D], k [S, G, D], v [S, G, D]) -> [T, H, D]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ConsistencyError(ValueError):
     """The model cannot run with consistent numerics; the message says why."""
+
+
+_AGREES: dict[tuple[Any, ...], bool] = {}
+
+
+def tile_plan(m: int, sizes: tuple[int, ...]) -> list[int]:
+    """Tile sizes covering m rows, from `sizes` (sorted): the largest that fit, then the
+    smallest that holds the rest if it wastes at most half of itself, zero-padded."""
+    plan, left = [], m
+    while left > 0:
+        holds = [t for t in sizes if left <= t <= 2 * left]
+        if holds:
+            plan.append(holds[0])
+            break
+        fits = [t for t in sizes if t <= left]
+        plan.append(fits[-1] if fits else sizes[0])
+        left -= plan[-1]
+    return plan
+
+
+def _agreeing(key: tuple[Any, ...], candidates: tuple[int, ...], ref: int,
+              run: Any) -> tuple[int, ...]:
+    """The candidate sizes whose results equal the reference size's, bit for bit, on
+    random inputs (`run(n_rows, size)`: the n rows computed in pieces of `size`); the
+    reference is always kept. Checked once per key: two kernels that order a row's sums
+    differently disagree on random data."""
+    sizes = _SIZES.get(key)
+    if sizes is None:
+        ok = [ref]
+        with torch.no_grad():
+            for size in candidates:
+                if size != ref:
+                    n = max(size, ref)
+                    if torch.equal(run(n, size), run(n, ref)):
+                        ok.append(size)
+        sizes = _SIZES[key] = tuple(sorted(ok))
+    return sizes
+
+
+_SIZES: dict[tuple[Any, ...], tuple[int, ...]] = {}
+
+
+def _mm_pieces(x_M_K: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None,
+               plan: list[int]) -> torch.Tensor:
+    """x @ w_t (+ bias), one kernel call per tile of the plan; a last tile that the rows
+    do not fill is zero-padded."""
+    m = x_M_K.shape[0]
+    out = x_M_K.new_empty((m, w_t.shape[1]))
+    start = 0
+    for size in plan:
+        n = min(size, m - start)
+        x = x_M_K[start : start + n]
+        o = out[start : start + n]
+        if n < size:
+            x = torch.cat([x, x.new_zeros(size - n, x.shape[1])])
+            o = x.new_empty((size, w_t.shape[1]))
+        if bias is None:
+            torch.mm(x, w_t, out=o)
+        else:
+            torch.addmm(bias, x, w_t, out=o)
+        if n < size:
+            out[start:] = o[:n]
+        start += n
+    return out
+
+
+def tile_sizes(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
+    """The row tiles of `x @ weight.T` that give every row bit for bit what a TILE_ROWS
+    tile does, on this device, dtype and thread count. Where more than one agrees, a
+    batch of 8 runs as one 8-row tile (no padding to 16) and 1,000 rows as 256-row
+    tiles (the weight read once per 256 rows, not per 16)."""
+    key = ("linear", tuple(weight.shape), weight.dtype, weight.device, bias is not None,
+           torch.get_num_threads())
+    w_t, b = weight.detach().t(), None if bias is None else bias.detach()
+
+    def run(n: int, size: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(n, weight.shape[1], generator=gen).to(weight)
+        return _mm_pieces(x, w_t, b, [size] * (n // size))
+
+    return _agreeing(key, ROW_TILES, TILE_ROWS, run)
+
+
+def _tiled_mm(x_M_K: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` on fixed row tiles (`tile_sizes`, `tile_plan`)."""
+    plan = tile_plan(x_M_K.shape[0], tile_sizes(weight, bias))
+    return _mm_pieces(x_M_K, weight.t(), bias, plan)
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -67,19 +174,7 @@ class _TiledLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(x_M_K, weight)
         ctx.has_bias = bias is not None
-        m = x_M_K.shape[0]
-        pad = (-m) % TILE_ROWS
-        if pad:
-            x_M_K = torch.cat([x_M_K, x_M_K.new_zeros(pad, x_M_K.shape[1])])
-        out = x_M_K.new_empty((m + pad, weight.shape[0]))
-        w_t = weight.t()
-        for i in range(0, m + pad, TILE_ROWS):
-            rows = slice(i, i + TILE_ROWS)
-            if bias is None:
-                torch.mm(x_M_K[rows], w_t, out=out[rows])
-            else:
-                torch.addmm(bias, x_M_K[rows], w_t, out=out[rows])
-        return out[:m] if pad else out
+        return _tiled_mm(x_M_K, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -94,9 +189,69 @@ class _TiledLinear(torch.autograd.Function):
 def tiled_linear(
     x_M_K: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear` computed on row tiles of exactly TILE_ROWS (zero-padded): each output
-    row is a function of its input row alone, whatever M is."""
+    """`F.linear` computed on fixed row tiles (zero-padded): each output row is a
+    function of its input row alone, whatever M is."""
     out = _TiledLinear.apply(x_M_K, weight, bias)  # type: ignore[no-untyped-call]
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+class _TiledLogprobs(torch.autograd.Function):
+    """log_softmax(float32 logits)[target] per row, the logits on fixed tiles, WIDE_ROWS
+    rows at a time. For backward the forward keeps the softmax [M, V] when it fits in
+    KEEP_PROBS_BYTES (as a plain forward keeps its logits); otherwise the [M, V] never
+    exists whole and backward recomputes each row block's logits with one matmul."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, h_M_K: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        target_M: torch.Tensor,
+    ) -> torch.Tensor:
+        m, vocab = h_M_K.shape[0], weight.shape[0]
+        keep = (torch.is_grad_enabled() and any(ctx.needs_input_grad[:3])
+                and m * vocab * 4 <= KEEP_PROBS_BYTES)
+        probs = h_M_K.new_empty((m, vocab), dtype=torch.float32) if keep else None
+        out = h_M_K.new_empty(m, dtype=torch.float32)
+        for i in range(0, m, WIDE_ROWS):
+            rows = slice(i, i + WIDE_ROWS)
+            lp = _tiled_mm(h_M_K[rows], weight, bias).float().log_softmax(-1)
+            out[rows] = lp.gather(1, target_M[rows, None])[:, 0]
+            if probs is not None:
+                torch.exp(lp, out=probs[rows])
+        ctx.save_for_backward(h_M_K, weight, bias, target_M, probs)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_M: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        h_M_K, weight, bias, target_M, probs = ctx.saved_tensors
+        need_h, need_w, need_b, _ = ctx.needs_input_grad
+        grad_h = torch.empty_like(h_M_K) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
+        for i in range(0, h_M_K.shape[0], WIDE_ROWS):
+            rows = slice(i, i + WIDE_ROWS)
+            h, g = h_M_K[rows], grad_M[rows]
+            p = (probs[rows] if probs is not None
+                 else torch.nn.functional.linear(h, weight, bias).float().softmax(-1))
+            d_logits = p.mul(-g[:, None])  # d lp[t] / d logits
+            d_logits.scatter_add_(1, target_M[rows, None], g[:, None].float())
+            d_logits = d_logits.to(weight.dtype)
+            if grad_h is not None:
+                torch.mm(d_logits, weight, out=grad_h[rows])
+            if grad_w is not None:
+                grad_w.addmm_(d_logits.t(), h)
+            if grad_b is not None:
+                grad_b += d_logits.sum(0)
+        return grad_h, grad_w, grad_b, None
+
+
+def tiled_logprobs(
+    h_M_K: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    target_M: torch.Tensor,
+) -> torch.Tensor:
+    """Float32 log-probabilities [M] of `target_M` under `tiled_linear(h, weight, bias)`'s
+    logits: bitwise `tiled_linear(...).float().log_softmax(-1)` at the targets."""
+    out = _TiledLogprobs.apply(h_M_K, weight, bias, target_M)  # type: ignore[no-untyped-call]
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -123,39 +278,42 @@ class KeyLists:
     len_T: torch.Tensor
 
 
-def block_attention(
+def _attend(
     q_T_H_D: torch.Tensor,
     k_S_G_D: torch.Tensor,
     v_S_G_D: torch.Tensor,
     keys: KeyLists,
     scale: float,
+    *,
+    plan: list[int],
 ) -> torch.Tensor:
-    """Attention output [T, H, D]: query t attends to the slots of its key list (its
-    ancestors then itself, in position order). `keys.keys_R_L` is padded to a multiple of
-    KEY_BLOCK with any valid slot index; padding and keys past a query's length get
-    weight exactly 0, and all values must be finite."""
-    T, H, D = q_T_H_D.shape
+    """Attention output [T, H, D] on query chunks of exactly the plan's sizes (a last
+    one zero-padded) against key blocks of exactly KEY_BLOCK, combined with an online
+    softmax."""
+    _, H, D = q_T_H_D.shape
     G = k_S_G_D.shape[1]
     rep = H // G
     out = []
-    for c in range(0, T, QUERY_CHUNK):
-        q = q_T_H_D[c : c + QUERY_CHUNK]
-        lst, ln = keys.list_T[c : c + QUERY_CHUNK], keys.len_T[c : c + QUERY_CHUNK]
+    cols = torch.arange(KEY_BLOCK, device=q_T_H_D.device)
+    c = 0
+    for chunk in plan:
+        q = q_T_H_D[c : c + chunk]
+        lst, ln = keys.list_T[c : c + chunk], keys.len_T[c : c + chunk]
+        c += chunk
         n = q.shape[0]
-        if n < QUERY_CHUNK:  # a fixed chunk shape: pad with queries of one key
-            q = torch.cat([q, q.new_zeros(QUERY_CHUNK - n, H, D)])
-            lst = torch.cat([lst, lst.new_zeros(QUERY_CHUNK - n)])
-            ln = torch.cat([ln, ln.new_ones(QUERY_CHUNK - n)])
-        q_C_G_rep_D = q.view(QUERY_CHUNK, G, rep, D)
+        if n < chunk:  # a fixed chunk shape: pad with queries of one key
+            q = torch.cat([q, q.new_zeros(chunk - n, H, D)])
+            lst = torch.cat([lst, lst.new_zeros(chunk - n)])
+            ln = torch.cat([ln, ln.new_ones(chunk - n)])
+        q_C_G_rep_D = q.view(chunk, G, rep, D)
         rows = keys.keys_R_L.index_select(0, lst)
-        m = q.new_full((QUERY_CHUNK, G, rep, 1), float("-inf"))
-        den = q.new_zeros((QUERY_CHUNK, G, rep, 1))
-        acc = q.new_zeros((QUERY_CHUNK, G, rep, D))
-        cols = torch.arange(KEY_BLOCK, device=q.device)
+        m = q.new_full((chunk, G, rep, 1), float("-inf"))
+        den = q.new_zeros((chunk, G, rep, 1))
+        acc = q.new_zeros((chunk, G, rep, D))
         for j in range(0, int(ln.max()), KEY_BLOCK):
             idx = rows[:, j : j + KEY_BLOCK].reshape(-1)
-            k = k_S_G_D.index_select(0, idx).view(QUERY_CHUNK, KEY_BLOCK, G, D)
-            v = v_S_G_D.index_select(0, idx).view(QUERY_CHUNK, KEY_BLOCK, G, D)
+            k = k_S_G_D.index_select(0, idx).view(chunk, KEY_BLOCK, G, D)
+            v = v_S_G_D.index_select(0, idx).view(chunk, KEY_BLOCK, G, D)
             k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [C, G, D, B], [C, G, B, D]
             s = torch.matmul(q_C_G_rep_D, k) * scale  # [C, G, rep, B]
             valid = (j + cols)[None, :] < ln[:, None]  # [C, B]
@@ -166,8 +324,135 @@ def block_attention(
             den = den * alpha + p.sum(-1, keepdim=True)
             acc = acc * alpha + torch.matmul(p, v)
             m = m_new
-        out.append((acc / den).view(QUERY_CHUNK, H, D)[:n])
+        out.append((acc / den).view(chunk, H, D)[:n])
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def chunk_sizes(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, ...]:
+    """The query chunks of attention that give every query bit for bit what a
+    QUERY_CHUNK chunk does (checked once per shape, as `tile_sizes`)."""
+    key = ("attention", heads, kv_heads, head_dim, dtype, device, torch.get_num_threads())
+    n_keys = 2 * KEY_BLOCK + 5
+    width = n_keys + (-n_keys) % KEY_BLOCK
+
+    def run(n: int, size: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn(r, h, head_dim, generator=gen).to(dtype=dtype, device=device)
+                   for r, h in ((n, heads), (n_keys, kv_heads), (n_keys, kv_heads)))
+        lists = KeyLists(
+            torch.randint(0, n_keys, (n, width), generator=gen).to(device),
+            torch.arange(n, device=device),
+            torch.randint(1, n_keys + 1, (n,), generator=gen).to(device),
+        )
+        return _attend(q, k, v, lists, 0.125, plan=[size] * (n // size))
+
+    return _agreeing(key, QUERY_CHUNKS, QUERY_CHUNK, run)
+
+
+def _attention(
+    q_T_H_D: torch.Tensor, k_S_G_D: torch.Tensor, v_S_G_D: torch.Tensor, keys: KeyLists,
+    scale: float,
+) -> torch.Tensor:
+    """`_attend` on the query chunks that agree with QUERY_CHUNK ones (`chunk_sizes`):
+    a decode batch of 8 in one chunk of 8, a long stream in chunks of 256."""
+    T, H, D = q_T_H_D.shape
+    sizes = chunk_sizes(H, k_S_G_D.shape[1], D, q_T_H_D.dtype, q_T_H_D.device)
+    return _attend(q_T_H_D, k_S_G_D, v_S_G_D, keys, scale, plan=tile_plan(T, sizes))
+
+
+class _BlockAttention(torch.autograd.Function):
+    """`_attention` forward; backward as plain softmax attention, recomputed per query
+    chunk over each query's gathered keys (gradients need no bitwise invariance)."""
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 - autograd passes apply's arguments positionally
+        ctx: Any, q_T_H_D: torch.Tensor, k_S_G_D: torch.Tensor, v_S_G_D: torch.Tensor,
+        keys_R_L: torch.Tensor, list_T: torch.Tensor, len_T: torch.Tensor, scale: float,
+        grad_fn: AttentionFn | None,
+    ) -> torch.Tensor:
+        out = _attention(q_T_H_D, k_S_G_D, v_S_G_D, KeyLists(keys_R_L, list_T, len_T), scale)
+        ctx.save_for_backward(q_T_H_D, k_S_G_D, v_S_G_D, out, keys_R_L, list_T, len_T)
+        ctx.scale = scale
+        ctx.grad_fn = grad_fn
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_T_H_D: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q_T_H_D, k_S_G_D, v_S_G_D, out_T_H_D, keys_R_L, list_T, len_T = ctx.saved_tensors
+        if ctx.grad_fn is not None:  # the same attention through fused kernels
+            with torch.enable_grad():
+                qkv = [x.detach().requires_grad_() for x in (q_T_H_D, k_S_G_D, v_S_G_D)]
+                dq, dk, dv = torch.autograd.grad(ctx.grad_fn(*qkv), qkv, grad_T_H_D)
+            return dq, dk, dv, None, None, None, None, None
+        scale = ctx.scale
+        T, H, D = q_T_H_D.shape
+        G = k_S_G_D.shape[1]
+        rep = H // G
+        dq = torch.empty_like(q_T_H_D)
+        dk = torch.zeros_like(k_S_G_D)
+        dv = torch.zeros_like(v_S_G_D)
+        # a chunk's queries against the union of their keys (a tree stream's neighbours
+        # share most ancestors), the [H, C, U] scores near BACKWARD_BYTES
+        per_query = max(int(len_T.max()), 1) * H * 4 * 4
+        chunk = max(QUERY_CHUNK, BACKWARD_BYTES // per_query)
+        for c in range(0, T, chunk):
+            sl = slice(c, c + chunk)
+            ln = len_T[sl]
+            L = int(ln.max())
+            rows = keys_R_L.index_select(0, list_T[sl])[:, :L]  # [C, L]
+            n = rows.shape[0]
+            valid = torch.arange(L, device=rows.device)[None, :] < ln[:, None]
+            union = torch.unique(rows[valid])  # sorted slots: [U]
+            u = union.shape[0]
+            where = torch.searchsorted(union, rows.contiguous()).clamp_(max=u - 1)
+            where.masked_fill_(~valid, u)  # keys past a query's length: a spare column
+            seen = torch.zeros(n, u + 1, dtype=torch.bool, device=rows.device)
+            seen.scatter_(1, where, True)  # [C, U]: key u is in query c's list
+            mask = seen[None, :, :u].expand(rep, n, u).reshape(rep * n, u)
+
+            def heads(x: torch.Tensor, m: int = n) -> torch.Tensor:  # [m, H, D] -> [G, rep*m, D]
+                return x.reshape(m, G, rep, D).permute(1, 2, 0, 3).reshape(G, rep * m, D)
+
+            q, g, o = heads(q_T_H_D[sl]), heads(grad_T_H_D[sl]), heads(out_T_H_D[sl])
+            k = k_S_G_D.index_select(0, union).transpose(0, 1)  # [G, U, D]
+            v = v_S_G_D.index_select(0, union).transpose(0, 1)
+            s = torch.bmm(q, k.transpose(1, 2)) * scale  # [G, rep*C, U]
+            p = s.masked_fill_(~mask, float("-inf")).softmax(-1)
+            dp = torch.bmm(g, v.transpose(1, 2))
+            ds = p * (dp - (g * o).sum(-1, keepdim=True)) * scale
+            dq[sl] = torch.bmm(ds, k).view(G, rep, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+            dk.index_add_(0, union, torch.bmm(ds.transpose(1, 2), q).transpose(0, 1))
+            dv.index_add_(0, union, torch.bmm(p.transpose(1, 2), g).transpose(0, 1))
+        return dq, dk, dv, None, None, None, None, None
+
+
+def block_attention(
+    q_T_H_D: torch.Tensor,
+    k_S_G_D: torch.Tensor,
+    v_S_G_D: torch.Tensor,
+    keys: KeyLists,
+    scale: float,
+    *,
+    grad_fn: AttentionFn | None = None,
+) -> torch.Tensor:
+    """Attention output [T, H, D]: query t attends to the slots of its key list (its
+    ancestors then itself, in position order). `keys.keys_R_L` is padded to a multiple of
+    KEY_BLOCK with any valid slot index; padding and keys past a query's length get
+    weight exactly 0, and all values must be finite.
+
+    Differentiable (`_BlockAttention`): the gradients are those of `grad_fn(q, k, v)`
+    when given (the same attention through fused kernels: the trainer's tree attention),
+    else of plain softmax attention over each query chunk's keys."""
+    if torch.is_grad_enabled() and (q_T_H_D.requires_grad or k_S_G_D.requires_grad
+                                    or v_S_G_D.requires_grad):
+        out = _BlockAttention.apply(  # type: ignore[no-untyped-call]
+            q_T_H_D, k_S_G_D, v_S_G_D, keys.keys_R_L, keys.list_T, keys.len_T, scale,
+            grad_fn)
+        assert isinstance(out, torch.Tensor)
+        return out
+    return _attention(q_T_H_D, k_S_G_D, v_S_G_D, keys, scale)
 
 
 class ConsistentModel:
@@ -217,12 +502,16 @@ class ConsistentModel:
         keys: KeyLists,
         cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         slots_T: torch.Tensor | None = None,
+        *,
+        attention_grad: AttentionFn | None = None,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] (after the last norm).
 
         Without `cache`, the key/value slots are the T tokens themselves (a tree stream:
         `keys` index into it). With `cache` (per layer (k_S_G_D, v_S_G_D)), the tokens'
-        keys/values are first written at `slots_T`, and `keys` index the cache."""
+        keys/values are first written at `slots_T`, and `keys` index the cache.
+        `attention_grad`: the same attention as a plain differentiable function, whose
+        gradients attention's backward takes (`block_attention`)."""
         T = ids_T.shape[0]
         x = self.model.model.embed_tokens(ids_T)
         cos, sin = self._rope(pos_T)
@@ -246,7 +535,7 @@ class ConsistentModel:
                 ks.index_copy_(0, slots_T, k.to(ks.dtype))
                 vs.index_copy_(0, slots_T, v.to(vs.dtype))
                 k, v = ks, vs
-            o = block_attention(q, k, v, keys, self.scale)
+            o = block_attention(q, k, v, keys, self.scale, grad_fn=attention_grad)
             x = x + tiled_linear(o.reshape(T, H * D), att.o_proj.weight, att.o_proj.bias)
             h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             mlp = layer.mlp
@@ -259,6 +548,12 @@ class ConsistentModel:
         """Float32 logits [M, V] of hidden rows."""
         head = self.model.get_output_embeddings()
         return tiled_linear(hidden_M, head.weight, getattr(head, "bias", None)).float()
+
+    def logprobs(self, hidden_M: torch.Tensor, target_M: torch.Tensor) -> torch.Tensor:
+        """Float32 log-probabilities [M] of the targets: bitwise
+        `logits(hidden).log_softmax(-1)` at them, without the [M, V] logits."""
+        head = self.model.get_output_embeddings()
+        return tiled_logprobs(hidden_M, head.weight, getattr(head, "bias", None), target_M)
 
 
 def stream_key_lists(

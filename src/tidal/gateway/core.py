@@ -35,13 +35,15 @@ taken from each generation.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import random
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -81,6 +83,18 @@ ROUTE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$")
 _ID_CHARS = "[A-Za-z0-9._:@+-], starting with a letter or digit"
 _ROUTE_IDS = ("session_id", "parent_call_id", "parent_session_id", "task_id")
 MAX_SEED = 2**63 - 1
+
+
+def _hex24(rng: random.Random | None) -> str:
+    """24 hex digits: from `rng` (a seeded call's ids), else random."""
+    return f"{rng.getrandbits(96):024x}" if rng is not None else uuid.uuid4().hex[:24]
+
+
+def call_seed(run_seed: int, key: str, index: int) -> int:
+    """The sampling seed of call `index` of the session whose seed key is `key`, in a
+    gateway seeded `run_seed`: the same (seed, session, call) always samples alike."""
+    digest = hashlib.blake2b(f"{run_seed}\x00{key}\x00{index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") & MAX_SEED
 
 
 @dataclass(frozen=True)
@@ -283,11 +297,22 @@ class Gateway:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         tool_parsers: str | Sequence[str | ToolParser] | None = None,
         lenient_tool_parsing: bool = True,
+        seed: int | None = None,
+        seed_key: Callable[[str], str] | None = None,
     ) -> None:
         """`tool_parsers`: names (`tidal.gateway.toolcalls.resolve_parsers`), default the
         chat template's (`parsers_for_template`); `lenient_tool_parsing`: the parsers'
-        lenient rules (`tidal.gateway.toolparsers`)."""
+        lenient rules (`tidal.gateway.toolparsers`).
+
+        `seed`: a run seed. A request without its own `seed` then samples with
+        `call_seed(seed, seed_key(session), n)`, n the session's generated calls before
+        it, and its tool-call ids derive from that seed too: one config and seed sample
+        alike in every run (bit for bit with consistent numerics). `seed_key` maps a
+        session id to what its seeds derive from (default: the id itself; `tidal run`
+        drops the random part of its ids, `tidal.run.rollout.seed_key`)."""
         self.engine = engine
+        self.seed = seed
+        self.seed_key = seed_key or (lambda session_id: session_id)
         self._engine_takes_session = "session" in inspect.signature(engine.generate).parameters
         self.store = store
         template = getattr(tokenizer, "chat_template", None)
@@ -459,6 +484,7 @@ class Gateway:
         if not self.store.has_session(session_id):
             return
         log = self.store.call_log(session_id)
+        turns.note_calls(len(log.calls))
         if log.calls:
             first = log.calls[0].call
             turns.note_row(first.task_id, first.parent_session_id)
@@ -552,6 +578,15 @@ class Gateway:
                 for s, (_, v) in zip(texts, alts, strict=True)
             ])
         return out
+
+    def _seeded(self, params: SamplingParams, turns: SessionTurns,
+                session_id: str) -> tuple[SamplingParams, random.Random | None]:
+        """A seeded gateway's seed for a request that brought none (`call_seed`), and the
+        generator of its tool-call ids (None: random ids)."""
+        if self.seed is None or params.seed is not None:
+            return params, None
+        seed = call_seed(self.seed, self.seed_key(session_id), turns.next_call())
+        return replace(params, seed=seed), random.Random(seed)
 
     def _generate(self, prompt: np.ndarray, params: SamplingParams,
                   session_id: str) -> tuple[Generation, float]:
@@ -647,6 +682,7 @@ class Gateway:
                                   logprobs=req.logprobs)
         if replayed is not None:  # a resumed session's recorded call: nothing new
             return replayed
+        params, ids_rng = self._seeded(params, turns, session_id)
         gen, engine_s = self._generate(plan.prompt_ids, params, session_id)
 
         out_ids, logprobs = gen.output_ids, gen.logprobs
@@ -671,7 +707,7 @@ class Gateway:
         )
         call_id = f"call-{uuid.uuid4().hex[:20]}"
         tc_list = tuple(
-            RecordedToolCall(f"{req.tool_id_prefix}{uuid.uuid4().hex[:24]}", t.name, t.arguments)
+            RecordedToolCall(f"{req.tool_id_prefix}{_hex24(ids_rng)}", t.name, t.arguments)
             for t in parsed.tool_calls
         )
         if tc_list:
@@ -860,6 +896,7 @@ class Gateway:
         turns = self._turns(session_id)
         self._check_session_row(turns, session_id, route.task_id, parent_session)
         params = self._sampling(body, int(ids.shape[0]), lp or 0)
+        params, _ = self._seeded(params, turns, session_id)
         gen, engine_s = self._generate(ids, params, session_id)
         out_ids = gen.output_ids
         text = self.renderer.decode(out_ids.tolist())

@@ -130,6 +130,19 @@ class SessionTurns:
         # (task_id, parent_session_id) of the session's first call, as the ledger's
         # sessions row keeps them; None while the session has no call
         self.row: tuple[str | None, str | None] | None = None
+        self._calls = 0  # calls generated for the session (recorded ones, on a reload)
+
+    def next_call(self) -> int:
+        """The index of the session's next generated call (0, 1, ...): what a seeded
+        run's sampling seed derives from (`tidal.gateway.core.call_seed`)."""
+        with self._lock:
+            self._calls += 1
+            return self._calls - 1
+
+    def note_calls(self, n: int) -> None:
+        """The session already has `n` recorded calls (read back from the ledger)."""
+        with self._lock:
+            self._calls = max(self._calls, n)
 
     def note_row(self, task_id: str | None, parent_session_id: str | None) -> None:
         """The session's first call is stored (or read back): its ids bind the session."""

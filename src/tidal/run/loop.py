@@ -52,7 +52,14 @@ from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_che
 from tidal.run.config import RunConfig, dump_config
 from tidal.run.loggers import LoggerError, LogStart
 from tidal.run.progress import RunLog
-from tidal.run.rollout import Episode, RolloutMigrator, Rollouts, new_session_id
+from tidal.run.rollout import (
+    Episode,
+    RolloutMigrator,
+    Rollouts,
+    new_session_id,
+    seed_key,
+    session_step,
+)
 from tidal.sandbox import SandboxConfig
 from tidal.sandbox.types import Bind
 from tidal.schedule.backend import Work
@@ -226,8 +233,10 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
     except components.ComponentError as e:
         raise RunError(str(e)) from e
     store = LedgerStore(run_dir / "ledger.db")
+    # every request seeded from (run seed, session, call): `tidal.gateway.core.call_seed`
     gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
-                            lenient_tool_parsing=not cfg.engine.tool_parser_strict)
+                            lenient_tool_parsing=not cfg.engine.tool_parser_strict,
+                            seed=cfg.seed, seed_key=seed_key)
     # live task groups saved as they run, so a killed run resumes their episodes
     live = LiveEpisodes(run_dir / "live", store, gateway.gateway,
                         SnapshotPolicy(cfg.rollout.snapshot_every, cfg.rollout.snapshot_every_s))
@@ -331,26 +340,39 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
     resumed = live.pending() if live is not None else []  # groups a killed attempt left live
     carry = _recover(store, state, {sid for grp in resumed for _t, sid in grp.jobs})
     b, g = cfg.rollout.tasks_per_step, cfg.rollout.group_size
-    rng = random.Random(cfg.seed * 1000 + state.step)
-    plan: deque[Task] = deque()
+    plans: dict[int, tuple[random.Random, deque[Task]]] = {}  # step -> its draws, left
+    planned: dict[int, set[str]] = {}  # step -> tasks of its groups a killed run left
     group_sids: dict[int, list[str]] = {}  # scheduled group -> its main sessions
     sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg),
                                       migrator=RolloutMigrator(parts.rollouts))
-    roll = partial(parts.rollouts.group, base_version=state.policy_version)
+    roll = partial(parts.rollouts.group, base_version=state.policy_version, keep=live is not None)
     train_ids = [t.task_id for t in parts.train_tasks]
     first_step = state.step
+    trained = set(state.trained_sessions) | set(state.dropped_sessions)
+
+    def next_task(step: int) -> Task:
+        """The step's next task: each step draws its batch with its own generator (seed,
+        step), so a resumed run draws what the uninterrupted one did; tasks whose groups
+        a killed run left live are skipped (they resume)."""
+        rng, left = plans.setdefault(step, (random.Random(f"{cfg.seed}/rl/{step}"), deque()))
+        while True:
+            if not left:
+                left.extend(sample_batch(rng, parts.train_tasks, train_ids, b,
+                                         sampling=cfg.rollout.task_sampling,
+                                         signal=state.task_signal))
+            task = left.popleft()
+            if task.task_id in planned.get(step, set()):
+                planned[step].discard(task.task_id)
+                continue
+            return task
 
     def submit(n: int) -> None:
         """Queue n task groups, drawn batch by batch (`rollout.task_sampling`) with what
         the steps so far taught. A session id names the step its group was planned for."""
         works = []
         for i in range(len(group_sids), len(group_sids) + n):
-            if not plan:
-                plan.extend(sample_batch(rng, parts.train_tasks, train_ids, b,
-                                         sampling=cfg.rollout.task_sampling,
-                                         signal=state.task_signal))
-            task = plan.popleft()
             step = first_step + i // b + 1
+            task = next_task(step)
             works.append([(task, new_session_id("rl", step, task.task_id, k)) for k in range(g)])
         ids = sched.submit_many(Work(roll, (jobs,)) for jobs in works)
         group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
@@ -362,13 +384,19 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
         by_id = {t.task_id: t for t in parts.train_tasks}
         works, keys = [], []
         for grp in pending:
+            assert live is not None
+            if all(sid in trained for _t, sid in grp.jobs):  # trained before the kill
+                live.close_group(grp.key)
+                continue
             if any(t not in by_id for t, _sid in grp.jobs):
                 _close(store, [sid for _t, sid in grp.jobs], "its task is not in this run")
-                assert live is not None
                 live.close_group(grp.key)
                 continue
             works.append([(by_id[t], sid) for t, sid in grp.jobs])
             keys.append(grp.key)
+            step = session_step(grp.jobs[0][1])
+            if step is not None:
+                planned.setdefault(step, set()).add(grp.jobs[0][0])
         ids = sched.submit_many(Work(roll, (jobs,), {"resume": key})
                                 for jobs, key in zip(works, keys, strict=True))
         group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
@@ -405,8 +433,10 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             if not mb.done():
                 continue  # the batch fills as groups finish (streaming)
             t_wait = time.perf_counter() - t0
-            eps = [e for grp in groups for e in grp.value]
-            sessions = [s for e in eps for s in e.session_ids] + carry
+            # in one order whatever finished first: a seed trains alike in every run
+            eps = sorted((e for grp in groups for e in grp.value),
+                         key=lambda e: seed_key(e.session_id))
+            sessions = [s for e in eps for s in e.session_ids] + sorted(carry, key=seed_key)
             t1 = time.perf_counter()
             result = process_store(
                 store, sessions, max_paths=cfg.rl.max_paths, incomplete=cfg.rl.timeout_reward,
@@ -427,6 +457,9 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             )
             sync_s = parts.sync_engine(state.policy_version)
             state = parts.checkpoint(state)
+            if live is not None:  # what these groups trained is safe: nothing left to resume
+                for i in [grp.session for grp in groups] + gone:
+                    live.close_group(group_sids[i][0])
             log.metrics(_step_row(
                 state, eps=eps, m=metrics, t_wait=t_wait, t_train=t_train,
                 wall=time.perf_counter() - t0, cpu=_cpu_seconds() - cpu0, groups=groups,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,7 +67,25 @@ class Episode:
 
 
 def new_session_id(phase: str, step: int, task_id: str, k: int) -> str:
+    """`{phase}-{step}-{task}-{k}-{6 random hex}`: the random part keeps a session run
+    again (an evaluation after a kill) apart from the first attempt in the ledger."""
     return f"{phase}-{step}-{task_id}-{k}-{uuid.uuid4().hex[:6]}"
+
+
+_RANDOM_PART = re.compile(r"-[0-9a-f]{6}(?=(?:-sub\d+)*$)")
+
+
+def seed_key(session_id: str) -> str:
+    """What a session's sampling seeds derive from (`Gateway(seed_key=...)`): its id
+    without the random part `new_session_id` adds (a subagent's `-subN` kept), so the
+    session samples alike in every run of a seed, and when it runs again."""
+    return _RANDOM_PART.sub("", session_id, count=1)
+
+
+def session_step(session_id: str) -> int | None:
+    """The step a `new_session_id` names, or None for another id."""
+    parts = session_id.split("-")
+    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
 
 
 def _episode_sessions(store: LedgerStore, main: str, known: Sequence[str]) -> list[str]:
@@ -274,12 +293,14 @@ class Rollouts:
         return episodes
 
     def group(self, jobs: Sequence[tuple[Task, str]], *, base_version: int,
-              resume: str | None = None) -> RolloutResult:
+              resume: str | None = None, keep: bool = False) -> RolloutResult:
         """One scheduled work item: a task group's episodes, all at once. Reports the
         policy version of the group's oldest recorded token (relative to `base_version`,
         the engine's version when the scheduler started) and its model tokens. With
         `live`, the group is saved while it runs; `resume` (its key) continues one that
-        a stopped run left live."""
+        a stopped run left live. `keep`: the group stays saved when it ends (its
+        finished episodes are read back on resume) until its owner closes it
+        (`live.close_group`), once what it trained is checkpointed."""
         key = resume
         if key is None and self.live is not None:
             key = self.live.open_group([(t.task_id, sid) for t, sid in jobs])
@@ -289,7 +310,7 @@ class Rollouts:
             eps = self.many(jobs, workers=len(jobs), group=key, resume=resume is not None)
         except Preempted:
             raise GroupPreempted(key) from None
-        if key is not None and self.live is not None:
+        if key is not None and self.live is not None and not keep:
             self.live.close_group(key)
         versions, tokens = [], 0
         for e in eps:

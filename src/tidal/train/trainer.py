@@ -205,11 +205,19 @@ def consistent_logprobs(
     cm = ConsistentModel(model)
     ids = torch.as_tensor(st.input_ids_T, device=dev)
     pos = torch.as_tensor(st.position_ids_T, device=dev)
-    h_T = cm.hidden(ids, pos, stream_key_lists(st.blocks, st.n_tokens, dev))
+    grad = None
+    if torch.is_grad_enabled():  # attention's gradients from the tree attention's kernels
+        plan = StreamPlan(st, dev, backend="blocks", max_mask_bytes=DEFAULT_MAX_MASK_BYTES)
+
+        def grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = plan.attend(0, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                              v.transpose(0, 1)[None], cm.scale)
+            return out[0].transpose(0, 1)
+
+    h_T = cm.hidden(ids, pos, stream_key_lists(st.blocks, st.n_tokens, dev),
+                    attention_grad=grad)
     h_N = h_T.index_select(0, torch.as_tensor(st.target_pred_N, device=dev))
-    lp_N_V = cm.logits(h_N).log_softmax(-1)
-    tgt = torch.as_tensor(st.target_ids_N, device=dev)
-    return lp_N_V.gather(1, tgt[:, None])[:, 0]
+    return cm.logprobs(h_N, torch.as_tensor(st.target_ids_N, device=dev, dtype=torch.long))
 
 
 def _plan(
