@@ -226,6 +226,8 @@ def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # an episode may have finished between the check and the kill (its snapshot removed)
+    snapshotted = bool(list((out / "live").glob("*/*.tar")))
     with LedgerStore(out / "ledger.db", readonly=True) as store:
         before = {sc.call_id for sc in store.iter_calls()}
         done = store.outcomes()
@@ -257,7 +259,8 @@ def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
         assert len(prompts) == len(set(prompts)), f"{sid}: a call was sampled twice"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     (resume,) = [r for r in rows if r["phase"] == "resume"]
-    assert resume["episodes"] >= len(live) and resume["snapshots"] >= 1
+    assert resume["episodes"] >= len(live)
+    assert (resume["snapshots"] >= 1) == snapshotted, (resume, snapshotted)
     summary = json.loads((out / "summary.json").read_text())
     sched = summary["schedule"]
     assert sched["schedule_policy"] == "elastic" and summary["policy_version"] == 5

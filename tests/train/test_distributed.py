@@ -69,7 +69,7 @@ def _train(ranks: Ranks, trees: list[TrainTree], out: Path, resume: Path | None 
     if ranks.distributed:
         model = shard_policy(model, ranks, torch.device("cpu"))
     opt = (torch.optim.SGD(model.parameters(), lr=1e-2) if sgd else
-           torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0))
+           torch.optim.AdamW(model.parameters(), lr=ADAM_LR, weight_decay=0.0))
     if resume is not None:
         load_state(resume, model, opt)
     trainer = TreeTrainer(model, opt, LossConfig(correction="tis"), max_tokens=MAX_TOKENS,
@@ -133,6 +133,19 @@ def test_batch_is_spread_and_partitioned() -> None:
     assert len({b.norm_group for t in trees for b in t.branches}) == 3
 
 
+ADAM_LR = 1e-3
+
+
+def _adam_close(name: str, got: torch.Tensor, want: torch.Tensor, steps: int = 1) -> bool:
+    """Parameters after AdamW steps agree to 1e-4 relative, except the key projections'
+    biases: their exact gradient is 0 (softmax ignores a shift shared by every key), so
+    Adam scales each side's summation noise to a step of up to lr, whatever the machine;
+    there the two sides differ by at most what their Adam steps can (2 lr each)."""
+    if name.endswith("k_proj.bias"):
+        return float((got - want).abs().max()) <= 2 * ADAM_LR * steps
+    return _rel(got, want) <= 1e-4
+
+
 def test_two_ranks_equal_one_rank(runs: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
     one, two = runs[1], runs[2]
     assert one["grads"].keys() == two["grads"].keys()
@@ -140,7 +153,7 @@ def test_two_ranks_equal_one_rank(runs: dict[int, dict[str, dict[str, torch.Tens
         assert _rel(two["grads"][name], g) <= 1e-6, (name, _rel(two["grads"][name], g))
     start = tiny_qwen2(0).state_dict()
     for name, p in one["params"].items():
-        assert _rel(two["params"][name], p) <= 1e-4, name  # AdamW: see the module's doc
+        assert _adam_close(name, two["params"][name], p), name  # AdamW: the module's doc
         if "norm" not in name:  # the step moved every weight the batch reaches
             assert not torch.equal(p, start[name]), name
     m1, m2 = one["metrics"], two["metrics"]
@@ -173,7 +186,7 @@ def test_sharded_checkpoint_resumes_at_another_world_size(
     from_two = _run(1, trees, tmp_path / "two-then-one", resume=base / "w2" / "dcp")
     from_one = _run(2, trees, tmp_path / "one-then-two", resume=base / "w1" / "dcp")
     for name, p in from_one["params"].items():
-        assert _rel(from_two["params"][name], p) <= 1e-4, name
+        assert _adam_close(name, from_two["params"][name], p, steps=2), name
         if "norm" not in name:  # a second step, from the first one's weights and moments
             assert not torch.equal(p, runs[1]["params"][name]), name
 
