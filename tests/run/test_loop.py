@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tidal.ledger import LedgerStore
-from tidal.run.config import parse_config
+from tidal.run.config import RunConfig, parse_config
 from tidal.run.loop import RunError, run
 from tidal.run.report import render_report
 from tidal.tree import process_store
@@ -147,14 +147,36 @@ def _trained(out: Path) -> list[dict[str, object]]:
     return [{k: r.get(k) for k in keep} for r in rows if r["phase"] == "rl"]
 
 
+def _run_and_kill_mid_step(cfg: RunConfig, tmp_path: Path, out: Path) -> list[str]:
+    """`tidal run` of `cfg` in a process of its own, SIGKILLed once a step is
+    checkpointed and a live episode of a later step has a sandbox snapshot. Returns the
+    command (append `--resume` to continue it)."""
+    from tidal.run.config import dump_config
+
+    conf = tmp_path / "c.toml"
+    conf.write_text(dump_config(cfg))
+    cmd = [sys.executable, "-m", "tidal.cli", "run", str(conf), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    state = out / "checkpoint" / "state.json"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if (state.exists() and json.loads(state.read_text())["step"] >= 1
+                and list((out / "live").glob("*/*.tar"))):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return cmd
+
+
 def test_consistent_runs_of_one_seed_match_bit_for_bit(tmp_path: Path) -> None:
     """rl.numerics = "consistent", one config and seed: two runs sample the same tokens
     with the same logprobs (ledgers equal by session), train the same steps and write
     the same checkpoint bytes; a third, SIGKILLed during its second step and resumed,
     finishes with that checkpoint too. Every trained token's recomputed logprob is the
     engine's, exactly."""
-    from tidal.run.config import dump_config
-
     cfg = parse_config(_config(**REPRO))
     first, second, killed = (tmp_path / n for n in ("a", "b", "killed"))
     run(cfg, first)
@@ -166,22 +188,7 @@ def test_consistent_runs_of_one_seed_match_bit_for_bit(tmp_path: Path) -> None:
     assert _ledger(first) == _ledger(second)
     assert _trained(first) == _trained(second)
     assert _weights(first) == _weights(second)
-    # killed once a step is checkpointed and an episode of the next has a snapshot
-    conf = tmp_path / "c.toml"
-    conf.write_text(dump_config(cfg))
-    cmd = [sys.executable, "-m", "tidal.cli", "run", str(conf), "--out", str(killed)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    state = killed / "checkpoint" / "state.json"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if (state.exists() and json.loads(state.read_text())["step"] >= 1
-                and list((killed / "live").glob("*/*.tar"))):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    cmd = _run_and_kill_mid_step(cfg, tmp_path, killed)
     r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=900,
                        check=False)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -208,24 +215,7 @@ def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
                   rollout={"context_budget": 4096, "snapshot_every": 1, "tasks_per_step": 2},
                   schedule={"policy": "elastic", "devices": 2})
     out = tmp_path / "run"
-    conf = tmp_path / "c.toml"
-    from tidal.run.config import dump_config
-
-    conf.write_text(dump_config(parse_config(cfg)))
-    cmd = [sys.executable, "-m", "tidal.cli", "run", str(conf), "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    state = out / "checkpoint" / "state.json"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        # after a step, once some live episode has a sandbox snapshot: kill mid-step
-        if (state.exists() and json.loads(state.read_text())["step"] >= 1
-                and list((out / "live").glob("*/*.tar"))):
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    cmd = _run_and_kill_mid_step(parse_config(cfg), tmp_path, out)
     # an episode may have finished between the check and the kill (its snapshot removed)
     snapshotted = bool(list((out / "live").glob("*/*.tar")))
     with LedgerStore(out / "ledger.db", readonly=True) as store:
