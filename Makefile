@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    install, then run the main job (`tidal run` on the default config)
 #   make test   install, then lint, type-check and run the test suite
+#   make run-real  a real pretrained model learns shell skills (examples/laptop-real.toml)
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := .venv-vllm/.tidal-vllm-ok
 MINI_STAMP := .venv-mini/.tidal-mini-ok
 
-.PHONY: run test setup lint
+.PHONY: run run-real test setup lint
 
 $(STAMP): pyproject.toml constraints.txt .ci/setup
 	bash .ci/setup
@@ -18,6 +19,10 @@ setup: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/tidal run
+
+# a real pretrained model (SmolLM2-135M, from PyPI) trained on shell skills (docs/agent.md)
+run-real: $(STAMP)
+	$(VENV)/bin/tidal run examples/laptop-real.toml --out runs/real
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -9,9 +9,13 @@ check, the fraction passed), minutes, sessions and the verify result; then the g
 mean, min and max. A single run's gain says little (docs/agent.md: the same seed's warm
 start varies by several points), hence the seeds.
 
-    .venv/bin/python bench/run.py --seeds 0 1 2 [--config C.toml] [--out runs/bench]
+    .venv/bin/python bench/run.py --seeds 0 1 2 [--config C.toml] [--out runs/bench] [--reuse]
 
-Each seed takes the run's own time (~10-13 minutes on a 2-core machine).
+Each seed takes the run's own time (~10-13 minutes on a 2-core machine for the default
+config, ~30 for examples/laptop-real.toml). `--reuse` reads a seed's finished run
+directory (its summary.json) instead of running it again. Per seed it also reports the
+held-out success per task family at the start and the end (`families_*`: shell-skills'
+skills), the training success per RL step and where the minutes went (`phase_minutes`).
 """
 
 from __future__ import annotations
@@ -28,20 +32,21 @@ from typing import Any
 from tidal.run.config import dump_config, load_config
 
 
-def run_seed(config: Path | None, seed: int, out: Path) -> dict[str, Any]:
+def run_seed(config: Path | None, seed: int, out: Path, reuse: bool = False) -> dict[str, Any]:
     cfg = load_config(config).model_copy(update={"seed": seed})
-    out.mkdir(parents=True, exist_ok=True)
-    conf = out.parent / f"{out.name}.toml"
-    conf.write_text(dump_config(cfg))
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "tidal.cli", "run", str(conf), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"seed {seed}: tidal run failed:\n{proc.stderr[-3000:]}")
+    if not (reuse and (out / "summary.json").is_file()):
+        out.mkdir(parents=True, exist_ok=True)
+        conf = out.parent / f"{out.name}.toml"
+        conf.write_text(dump_config(cfg))
+        proc = subprocess.run(
+            [sys.executable, "-m", "tidal.cli", "run", str(conf), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"seed {seed}: tidal run failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r.get("phase") == "eval"]
@@ -54,6 +59,11 @@ def run_seed(config: Path | None, seed: int, out: Path) -> dict[str, Any]:
         "heldout_curve": summary["heldout_curve"],
         "checks_start": evals[0].get("checks"),
         "checks_end": evals[-1].get("checks"),
+        "families_start": evals[0].get("families"),
+        "families_end": evals[-1].get("families"),
+        "train_success_curve": [round(r["success_rate"], 3) for r in rows
+                                if r.get("phase") == "rl" and "success_rate" in r],
+        "phase_minutes": _phase_minutes(rows),
         "minutes": summary["minutes"],
         "wall_minutes": round((time.perf_counter() - t0) / 60, 2),
         "sessions": summary["sessions"],
@@ -63,13 +73,27 @@ def run_seed(config: Path | None, seed: int, out: Path) -> dict[str, Any]:
     }
 
 
+def _phase_minutes(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Minutes in the warm start, the held-out evaluations, and RL's rollouts and
+    training steps, from the run's metrics rows."""
+    warm = sum(r.get("seconds", 0.0) for r in rows if r.get("phase") == "warmstart")
+    evals = sum(r.get("seconds", 0.0) for r in rows if r.get("phase") == "eval")
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    rollout = sum(r.get("rollout_s", 0.0) for r in rl)
+    train = sum(r.get("train_s", 0.0) for r in rl)
+    return {k: round(v / 60, 2) for k, v in
+            (("warmstart", warm), ("eval", evals), ("rl_rollout", rollout), ("rl_train", train))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--config", type=Path, default=None, help="default: the built-in one")
     ap.add_argument("--out", type=Path, default=Path("runs/bench"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="read a seed's finished run directory instead of running it again")
     args = ap.parse_args()
-    runs = [run_seed(args.config, s, args.out / f"seed-{s}") for s in args.seeds]
+    runs = [run_seed(args.config, s, args.out / f"seed-{s}", args.reuse) for s in args.seeds]
     gains = [r["gain_points"] for r in runs]
     print(
         json.dumps(

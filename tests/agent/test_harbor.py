@@ -3,6 +3,7 @@ malformed, graded by their test.sh in a real sandbox (reward.txt / reward.json r
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +16,12 @@ from tidal.agent.harbor import (
     HarborTaskError,
     RewardError,
     VerifierScript,
+    load_split,
     load_task,
     load_tasks,
     read_reward,
     run_oracle,
+    task_dirs,
 )
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.sandboxed import sandboxed_runtime
@@ -237,3 +240,50 @@ def test_an_unmapped_from_is_refused_with_the_remedy(tmp_path: Path) -> None:
     fallback = Environments({}, "default", tmp_path / "cache")
     assert fallback.sandbox_config(task, SandboxConfig()).image is None  # the default image
 
+
+
+# --------------------------------------------------------------------------- tool-call solutions
+
+
+def test_a_tool_call_solution_reads_into_the_tasks_solution(tmp_path: Path) -> None:
+    d = write_task(tmp_path, "with-calls")
+    (d / "solution" / "tool_calls.json").write_text(json.dumps([
+        [{"name": "bash", "arguments": {"command": "echo 'Hello, world!' > hello.txt"}}],
+        [{"name": "finish", "arguments": {"answer": "done"}}],
+    ]))
+    task = load_task(d)
+    assert [[(s.name, dict(s.arguments)) for s in turn] for turn in task.solution] == [
+        [("bash", {"command": "echo 'Hello, world!' > hello.txt"})],
+        [("finish", {"answer": "done"})],
+    ]
+    assert load_task(write_task(tmp_path, "without")).solution == ()
+
+
+@pytest.mark.parametrize(("calls", "problem"), [
+    ("{", "not valid JSON"),
+    ("[]", "non-empty list of turns"),
+    ('[{"name": "finish"}]', "turn 0 must be a non-empty list"),
+    ('[[{"name": "rm_rf", "arguments": {}}]]', "turn 0 call 0: 'rm_rf' is not a built-in tool"),
+    ('[[{"name": "bash", "arguments": {"command": 3}}]]', "arguments must map strings"),
+    ('[[{"name": "bash", "args": {}}]]', "name and arguments only"),
+    ('[[{"name": "bash", "arguments": {"command": "ls"}}]]', "last turn must be one finish"),
+])
+def test_a_bad_tool_call_solution_is_refused_naming_the_file(
+        tmp_path: Path, calls: str, problem: str) -> None:
+    d = write_task(tmp_path, "bad-calls")
+    (d / "solution" / "tool_calls.json").write_text(calls)
+    with pytest.raises(HarborTaskError) as e:
+        load_task(d)
+    assert (e.value.task, e.value.file) == ("bad-calls", "solution/tool_calls.json")
+    assert problem in e.value.problem, e.value.problem
+
+
+def test_a_directory_with_train_and_heldout_loads_as_a_split_set(tmp_path: Path) -> None:
+    for split, name in (("train", "a-task"), ("train", "b-task"), ("heldout", "c-task")):
+        write_task(tmp_path / "set" / split, name)
+    ts = load_split(tmp_path / "set")
+    assert ts is not None
+    assert [t.task_id for t in ts.train] == ["a-task", "b-task"]
+    assert [t.task_id for t in ts.heldout] == ["c-task"]
+    assert [p.name for p in task_dirs(tmp_path / "set")] == ["a-task", "b-task", "c-task"]
+    assert load_split(tmp_path / "set" / "train") is None

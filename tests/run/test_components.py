@@ -88,6 +88,24 @@ def test_task_sources_resolve_from_builtins_directories_and_module_attr(
         select(f"{user_module}:nothing")
 
 
+def test_a_generated_set_and_a_split_directory_keep_their_own_split(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = _cfg(tasks={"source": "shell-skills", "train_size": 1000, "heldout_size": 1000})
+    skills = components.select_tasks(cfg.tasks, seed=0)
+    assert (len(skills.train), len(skills.heldout)) == (240, 64)
+    assert {t.family for t in skills.heldout} == {t.family for t in skills.train}
+    assert all(t.solution and t.environment is not None for t in skills.train)
+    assert (tmp_path / "cache" / "tasksets").is_dir()  # generated into the cache, once
+    for split, name in (("train", "a"), ("train", "b"), ("heldout", "c")):
+        write_task(tmp_path / "mine" / split, name)
+    mine = components.select_tasks(_cfg(tasks={"source": str(tmp_path / "mine"),
+                                               "heldout_size": 5}).tasks, seed=0)
+    assert [t.task_id for t in mine.train] == ["a", "b"]
+    assert [t.task_id for t in mine.heldout] == ["c"]
+
+
 def test_harnesses_resolve_by_name(user_module: str) -> None:
     agent = AgentConfig()
     assert isinstance(components.make_harness(_cfg(), agent), BuiltinHarness)

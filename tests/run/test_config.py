@@ -63,3 +63,15 @@ def test_every_field_is_documented() -> None:
                 assert re.search(rf"^{key} = ", doc, re.M), f"{name}.{key} undocumented"
         else:
             assert re.search(rf"^{name} = ", doc, re.M)
+
+
+@pytest.mark.parametrize("name", ["laptop-real.toml", "swe-mini.toml"])
+def test_the_example_configs_load(name: str) -> None:
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "examples" / name)
+    if name == "laptop-real.toml":  # `make run-real`: a real model, real tasks, a warm start
+        assert (cfg.model.name, cfg.tasks.source) == ("smollm2-135m", "shell-skills")
+        assert cfg.warmstart.steps > 0 and cfg.warmstart.teacher == "exact"
+        assert cfg.rollout.tools == ("bash", "read_file", "write_file", "finish")
+        assert (cfg.tasks.train_size, cfg.tasks.heldout_size) == (240, 64)
+    assert "run-real" in (root / "Makefile").read_text()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.train.conftest import tiny_qwen2, with_rollout
+from tests.train.conftest import adam_close, tiny_qwen2, with_rollout
 from tidal.train.distributed import (
     Ranks,
     assign_trees,
@@ -137,13 +137,7 @@ ADAM_LR = 1e-3
 
 
 def _adam_close(name: str, got: torch.Tensor, want: torch.Tensor, steps: int = 1) -> bool:
-    """Parameters after AdamW steps agree to 1e-4 relative, except the key projections'
-    biases: their exact gradient is 0 (softmax ignores a shift shared by every key), so
-    Adam scales each side's summation noise to a step of up to lr, whatever the machine;
-    there the two sides differ by at most what their Adam steps can (2 lr each)."""
-    if name.endswith("k_proj.bias"):
-        return float((got - want).abs().max()) <= 2 * ADAM_LR * steps
-    return _rel(got, want) <= 1e-4
+    return adam_close(name, got, want, lr=ADAM_LR, steps=steps)
 
 
 def test_two_ranks_equal_one_rank(runs: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train.conftest import compare_to_paths, random_trees, tiny_qwen2, tiny_qwen3
+from tests.train.conftest import (
+    compare_to_paths,
+    random_trees,
+    tiny_llama,
+    tiny_qwen2,
+    tiny_qwen3,
+)
 from tidal.train.loss import CORRECTIONS, LossConfig, path_logprobs
 from tidal.train.packing import pack_trees
 from tidal.train.trainer import (
@@ -41,14 +47,16 @@ def test_kl_to_reference_matches_per_path() -> None:
     compare_to_paths(tiny_qwen3(5), random_trees(5, n=3), cfg, 10_000, ref_model=tiny_qwen3(99))
 
 
-@pytest.mark.parametrize("factory", [tiny_qwen2, tiny_qwen3])
-def test_qwen2_and_qwen3_partitioned(factory: Callable[[int], torch.nn.Module]) -> None:
+@pytest.mark.parametrize("factory", [tiny_qwen2, tiny_qwen3, tiny_llama])
+def test_qwen2_qwen3_and_llama_partitioned(factory: Callable[[int], torch.nn.Module]) -> None:
     compare_to_paths(factory(6), random_trees(6, n=2), LossConfig(correction="mis", C=1.5), 16)
 
 
+@pytest.mark.parametrize("factory", [tiny_qwen3, tiny_llama])
 @pytest.mark.parametrize("max_tokens", [10_000, 11])
-def test_recomputed_logprobs_equal_plain_forward(max_tokens: int) -> None:
-    model = tiny_qwen3(7)
+def test_recomputed_logprobs_equal_plain_forward(
+        max_tokens: int, factory: Callable[[int], torch.nn.Module]) -> None:
+    model = factory(7)
     trees = random_trees(7, n=3)
     batch = pack_trees(trees, max_tokens)
     lp = recompute_logprobs(model, batch).numpy()

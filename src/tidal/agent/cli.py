@@ -28,7 +28,8 @@ def parse_images(pairs: list[str] | None) -> dict[str, str]:
 @tasks_app.command("check")
 def check_cmd(
     directory: Annotated[str, typer.Argument(
-        help="A directory of task directories, one task, or a built-in set (swe-mini).")],
+        help="A directory of task directories, one task, or a built-in set (swe-mini, "
+             "shell-skills).")],
     *,
     image: Annotated[list[str] | None, typer.Option(
         "--image", help="REF=DIR: build FROM REF (or docker_image REF) on the image directory DIR, "

@@ -12,6 +12,10 @@ tinker-cookbook load it). One directory per task; its name is the task id:
     <task>/environment/Dockerfile  and its build context (tidal.sandbox.build)
     <task>/tests/test.sh           the verifier, run after the agent ends
     <task>/solution/solve.sh       the oracle (optional)
+    <task>/solution/tool_calls.json  tidal's own, optional: the solution as tool calls,
+                                   turn by turn (`[[{"name": "bash", "arguments":
+                                   {"command": "..."}}], [{"name": "finish", ...}]]`),
+                                   from which the warm start's demonstrations are built
 
 `load_tasks(DIR)` reads a directory of task directories (or one task directory) and
 refuses a malformed task with the task, the file and what is wrong. The grader of a
@@ -38,17 +42,42 @@ import math
 import re
 import tomllib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidal.agent.runtime import ToolRuntime
-from tidal.agent.tasks import EnvironmentSpec, Grade, Oracle, Task, TaskError
+from tidal.agent.tasks import EnvironmentSpec, Grade, Oracle, Step, Task, TaskError, TaskSet
+from tidal.agent.tools import ALL_TOOLS, FINISH
 
 TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # built-in task sets in this format, by name (src/tidal/agent/tasksets/)
 HARBOR_SETS: dict[str, Path] = {"swe-mini": Path(__file__).parent / "tasksets" / "swe_mini"}
+# built-in sets generated on first use (into the cache), with their own train/ and
+# heldout/ splits: name -> the function that returns the set's directory
+def _shell_skills() -> Path:
+    from tidal.agent.shellskills import ensure_shell_skills
+
+    return ensure_shell_skills()
+
+
+GENERATED_SETS: dict[str, Callable[[], Path]] = {"shell-skills": _shell_skills}
+SPLITS = ("train", "heldout")
+
+
+def set_root(name_or_path: Path | str) -> Path:
+    """The directory of a built-in set's name, or the path itself."""
+    name = str(name_or_path)
+    if name in GENERATED_SETS:
+        return GENERATED_SETS[name]()
+    return HARBOR_SETS.get(name, Path(name_or_path))
+
+
+def split_dirs(root: Path) -> tuple[Path, Path] | None:
+    """`(root/train, root/heldout)` when `root` holds a split set, else None."""
+    train, heldout = (root / s for s in SPLITS)
+    return (train, heldout) if train.is_dir() and heldout.is_dir() else None
 VERIFIER_DIR = "/logs/verifier"
 DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for [agent] and [verifier] timeout_sec
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.I)
@@ -299,15 +328,53 @@ def load_task(path: Path) -> Task:
         allow_internet=env["allow_internet"], build_timeout_s=env["build_timeout"],
     )
     solve = path / "solution" / "solve.sh"
+    calls = path / "solution" / "tool_calls.json"
     return Task(
         task_id=tid, prompt=prompt,
         grader=VerifierScript(path / "tests", cfg["verifier_timeout"], cfg["verifier_env"]),
         family=str(cfg["metadata"].get("category", "")), environment=spec,
         time_limit_s=cfg["agent_timeout"], source=path,
         oracle=Oracle(solve.parent, cfg["solution_env"]) if solve.is_file() else None,
+        solution=read_tool_calls(tid, calls) if calls.is_file() else (),
         metadata={"name": cfg["name"], "description": cfg["description"],
                   "metadata": cfg["metadata"], "version": cfg["version"]},
     )
+
+
+def read_tool_calls(tid: str, path: Path) -> tuple[tuple[Step, ...], ...]:
+    """A task's `solution/tool_calls.json`: a list of turns, each a non-empty list of
+    `{"name": <built-in tool>, "arguments": {<string>: <string>}}`, the last turn a single
+    `finish`."""
+    file = "solution/tool_calls.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HarborTaskError(tid, file, f"not valid JSON: {e}") from None
+    if not isinstance(data, list) or not data:
+        raise HarborTaskError(tid, file, "must be a non-empty list of turns")
+    turns = []
+    for i, turn in enumerate(data):
+        if not isinstance(turn, list) or not turn:
+            raise HarborTaskError(tid, file, f"turn {i} must be a non-empty list of calls")
+        steps = []
+        for j, call in enumerate(turn):
+            where = f"turn {i} call {j}"
+            if not isinstance(call, dict) or set(call) - {"name", "arguments"}:
+                raise HarborTaskError(tid, file, f"{where} must be an object with name and "
+                                      "arguments only")
+            name, args = call.get("name"), call.get("arguments", {})
+            if name not in ALL_TOOLS:
+                raise HarborTaskError(tid, file, f"{where}: {name!r} is not a built-in tool "
+                                      f"({', '.join(ALL_TOOLS)})")
+            if not isinstance(args, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in args.items()):
+                raise HarborTaskError(tid, file, f"{where}: arguments must map strings to "
+                                      "strings")
+            steps.append(Step(str(name), dict(args)))
+        turns.append(tuple(steps))
+    if [s.name for s in turns[-1]] != [FINISH]:
+        raise HarborTaskError(tid, file, "the last turn must be one finish call")
+    return tuple(turns)
 
 
 def _check_dockerfile(tid: str, dockerfile: Path) -> None:
@@ -326,11 +393,14 @@ def _check_dockerfile(tid: str, dockerfile: Path) -> None:
 def task_dirs(root: Path | str) -> list[Path]:
     """The task directories under `root` (or `root` itself when it is one, or a built-in
     set's name: `HARBOR_SETS`), by name."""
-    root = HARBOR_SETS.get(str(root), Path(root))
+    root = set_root(root)
     if not root.is_dir():
         raise TaskError(f"task directory {str(root)!r} does not exist")
     if looks_like_task(root):
         return [root]
+    split = split_dirs(root)
+    if split is not None:
+        return task_dirs(split[0]) + task_dirs(split[1])
     dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     found = [p for p in dirs if looks_like_task(p)]
     if not found:
@@ -343,3 +413,14 @@ def load_tasks(root: Path | str) -> list[Task]:
     """Every task under `root`; the first malformed one is refused (`tidal tasks check`
     lists them all)."""
     return [load_task(p) for p in task_dirs(root)]
+
+
+def load_split(root: Path | str) -> TaskSet | None:
+    """A set with its own split (`train/` and `heldout/` task directories, as the
+    generated `shell-skills`) as a `TaskSet`; None when `root` has no such split."""
+    path = set_root(root)
+    split = split_dirs(path)
+    if split is None:
+        return None
+    return TaskSet(str(root) if str(root) in GENERATED_SETS else path.name,
+                   train=tuple(load_tasks(split[0])), heldout=tuple(load_tasks(split[1])))

@@ -328,45 +328,50 @@ def _conversation(
     solution: Sequence[Sequence[Step]],
     setup_files: Mapping[str, str],
     system_prompt: str,
+    runtime: ToolRuntime | None = None,
 ) -> tuple[dict[str, Any], ...]:
+    if runtime is None:
+        with tempfile.TemporaryDirectory(prefix="tidal-demo-") as tmp:
+            return _conversation(prompt, solution, setup_files, system_prompt,
+                                 LocalDirRuntime(Path(tmp)))
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system_prompt},
         {"role": "user", "content": prompt},
     ]
     n = 0
-    with tempfile.TemporaryDirectory(prefix="tidal-demo-") as tmp:
-        runtime = LocalDirRuntime(Path(tmp))
-        for path, text in setup_files.items():
-            runtime.write_file(path, text)
-        for turn in solution:
-            messages.append(_assistant(turn, n))
-            for i, step in enumerate(turn):
-                if step.name == FINISH:
-                    break
-                if step.result is not None:
-                    result = step.result
-                else:
-                    call = ToolCall(f"call_{n + i}", step.name, dict(step.arguments))
-                    result = run_runtime_tool(call, runtime, timeout_s=10.0, output_cap=8000)
-                messages.append(
-                    {"role": "tool", "tool_call_id": f"call_{n + i}", "content": result}
-                )
-            n += len(turn)
+    for path, text in setup_files.items():
+        runtime.write_file(path, text)
+    for turn in solution:
+        messages.append(_assistant(turn, n))
+        for i, step in enumerate(turn):
+            if step.name == FINISH:
+                break
+            if step.result is not None:
+                result = step.result
+            else:
+                call = ToolCall(f"call_{n + i}", step.name, dict(step.arguments))
+                result = run_runtime_tool(call, runtime, timeout_s=10.0, output_cap=8000)
+            messages.append({"role": "tool", "tool_call_id": f"call_{n + i}", "content": result})
+        n += len(turn)
     return tuple(messages)
 
 
-def demonstrations(task: Task, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> list[Demonstration]:
+def demonstrations(task: Task, system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+                   runtime: ToolRuntime | None = None) -> list[Demonstration]:
     """The ideal sessions for a task: the main session first, then one per subagent.
 
-    Tool results are real: the solution runs in a scratch `LocalDirRuntime` through the
-    same tool code as the harness, so the warm start sees the texts the agent will see.
+    Tool results are real: the solution runs through the same tool code as the harness,
+    in `runtime` (a fresh one made from the task's environment, as its episodes get:
+    `tidal.run.rollout.Rollouts.demonstrations`) or, without one, in a scratch
+    `LocalDirRuntime` holding the task's setup files, so the warm start sees the texts
+    the agent will see.
     """
     if not task.solution:
         raise TaskError(f"task {task.task_id!r} has no solution to demonstrate")
     demos = [
         Demonstration(
             "main",
-            _conversation(task.prompt, task.solution, task.setup_files, system_prompt),
+            _conversation(task.prompt, task.solution, task.setup_files, system_prompt, runtime),
             ALL_TOOLS,
         )
     ]

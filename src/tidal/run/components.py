@@ -5,7 +5,8 @@ importable module and an attribute path in it), so a user extends tidal without
 editing it:
 
 - task source (`tasks.source`, `tasks.heldout_source`): files, digits, tools, mixed,
-  swe-mini, or a directory of Harbor tasks; module:attr is a list of `Task`s or a
+  swe-mini, shell-skills, or a directory of Harbor tasks (with its own split when it
+  holds train/ and heldout/ task directories); module:attr is a list of `Task`s or a
   `TaskSet`, or a callable returning one;
 - harness (`agent.harness`): builtin, command; module:attr is fn(EpisodeContext) ->
   HarnessResult | None, or an object (or class) with `.run(ctx)`;
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidal.agent.episode import FunctionHarness, Harness
-from tidal.agent.harbor import HARBOR_SETS, load_tasks
+from tidal.agent.harbor import GENERATED_SETS, HARBOR_SETS, load_split, load_tasks
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import TASK_SETS, Task, TaskError, TaskSet, load_taskset
 from tidal.sandbox import SandboxConfig
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from tidal.schedule.scheduler import Scheduler
     from tidal.train.group import TrainerGroup, TrainerSpec
 
-BUILTIN_TASK_SOURCES: tuple[str, ...] = (*TASK_SETS, *HARBOR_SETS)
+BUILTIN_TASK_SOURCES: tuple[str, ...] = (*TASK_SETS, *HARBOR_SETS, *GENERATED_SETS)
 BUILTINS: dict[str, tuple[str, ...]] = {
     "agent.harness": ("builtin", "command"),
     "rollout.sandbox": ("bwrap", "local"),
@@ -124,6 +125,9 @@ def load_task_source(value: str, *, seed: int, key: str) -> TaskSet | list[Task]
         return load_taskset(value, seed=seed)
     if value in HARBOR_SETS:
         return load_tasks(value)
+    split = load_split(value) if value in GENERATED_SETS or Path(value).is_dir() else None
+    if split is not None:  # a generated set, or a directory with train/ and heldout/
+        return split
     if is_attr(value):
         obj = load_attr(value, key)
         if callable(obj) and not isinstance(obj, TaskSet):

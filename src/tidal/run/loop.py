@@ -42,7 +42,7 @@ import torch
 from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
 from tidal.agent.preempt import LiveEpisodes, LiveGroup, SnapshotPolicy
-from tidal.agent.tasks import Demonstration, Task, TaskError, demonstrations, taught
+from tidal.agent.tasks import Demonstration, Task, TaskError, taught
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
@@ -130,17 +130,28 @@ class Parts:
         t0 = time.perf_counter()
         jobs = [(t, new_session_id(f"eval{tag}", state.step, t.task_id, k))
                 for t in self.heldout for k in range(cfg.eval.samples)]
+        self.log.phase("eval", len(jobs))
         # evaluation runs as many sessions at once as the rollout devices can
         workers = cfg.schedule.devices * cfg.schedule.groups_per_device * cfg.rollout.group_size
         eps = self.evals.many(jobs, workers=workers, on_done=lambda _e: self.log.advance("eval"))
         rate = sum(e.reward >= 1.0 for e in eps) / max(len(eps), 1)
         self.log.metrics({"phase": "eval", "step": state.step, "success_rate": rate,
                           "partial_mean": sum(e.partial_score for e in eps) / max(len(eps), 1),
-                          "checks": _check_rates(eps), "grader_errors": _grader_errors(eps),
+                          "checks": _check_rates(eps), "families": self._family_rates(eps),
+                          "grader_errors": _grader_errors(eps),
                           "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
                           "seconds": time.perf_counter() - t0,
                           "policy_version": self.engine.policy_version})
         return rate
+
+    def _family_rates(self, episodes: list[Episode]) -> dict[str, float]:
+        """Success rate per task family (a built-in set's family, a Harbor task's
+        `[metadata] category`: shell-skills' skill), over the held-out episodes."""
+        family = {t.task_id: t.family or "(none)" for t in self.heldout}
+        by: dict[str, list[bool]] = {}
+        for e in episodes:
+            by.setdefault(family.get(e.task_id, "(none)"), []).append(e.reward >= 1.0)
+        return {k: round(sum(v) / len(v), 4) for k, v in sorted(by.items())}
 
     def close(self) -> None:
         if self.rollouts.live is not None:
@@ -279,11 +290,9 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
         with parts.log.live():
             state = warm_start_phase(parts, state)
             if state.success_rate_start is None:
-                parts.log.phase("eval", len(parts.heldout) * cfg.eval.samples)
                 state = parts.checkpoint(state.advance(success_rate_start=parts.evaluate("start",
                                                                                        state)))
             state, sessions, schedule = rl_phase(parts, state)
-            parts.log.phase("eval", len(parts.heldout) * cfg.eval.samples)
             end = parts.evaluate("end", state)
             _sample_trees(parts.store, sessions, run_dir / "trees", parts.tokenizer.decode)
     except TrainerRankError as e:  # a rank died: the last checkpoint is whole
@@ -306,7 +315,7 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
         return state
     demos = [_offer(d, cfg.rollout.tools)
              for t in taught([t for t in parts.train_tasks if t.solution], cfg.warmstart.teacher)
-             for d in demonstrations(t)] if cfg.warmstart.steps else []
+             for d in parts.rollouts.demonstrations(t)] if cfg.warmstart.steps else []
     if cfg.warmstart.steps and not demos:
         raise RunError("warmstart.steps > 0 but no training task has a demonstration (tasks "
                        "from a directory or module:attr usually have none): set "

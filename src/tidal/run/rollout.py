@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from tidal.agent.episode import EpisodeContext, Harness, HarnessResult, run_task
 from tidal.agent.preempt import LiveEpisodes, Preempted, abandoned_calls
 from tidal.agent.runtime import ToolRuntime
-from tidal.agent.tasks import Grade, Task
+from tidal.agent.tasks import Demonstration, Grade, Task, demonstrations
 from tidal.ledger import LedgerStore, Outcome, Status
 from tidal.run.components import RuntimeFactory
 from tidal.sandbox import SandboxConfig
@@ -209,6 +209,15 @@ class Rollouts:
             seconds=time.perf_counter() - t0, checks=grade.by_kind, grader_error=grade.error,
             tool_parse_failures=sum("tool_parse" in (c.metadata or {}) for c in logged),
         ))
+
+    def demonstrations(self, task: Task) -> list[Demonstration]:
+        """The task's warm-start demonstrations. A task with an environment runs its
+        solution in a fresh runtime made as its episodes' are, so the demonstrations hold
+        the files, paths and tool outputs its rollouts will see."""
+        if task.environment is None:
+            return demonstrations(task)
+        with self.new_runtime(self.config_for(task)) as runtime:
+            return demonstrations(task, runtime=runtime)
 
     @contextlib.contextmanager
     def _runtime(self, task: Task, session_id: str, group: str | None,

@@ -15,9 +15,10 @@ One interface, three backends, chosen per stream (`StreamPlan.backend`):
   with `numerics="consistent"` sampled from (trees must fit one stream; slower).
 
 The model is switched to the attention implementation `"tidal_tree"`, which runs the
-tree backend when a `StreamPlan` arrives through the model's `attention_mask` mapping
-(transformers passes a dict of prepared masks through to every layer untouched) and
-plain SDPA otherwise, so `generate` and ordinary forwards keep working.
+tree backend when a `StreamPlan` arrives as the model's `attention_mask` (transformers'
+mask creation hands it to tidal's mask function, which passes it to every layer
+untouched: Qwen2, Llama and the other decoders alike) and plain SDPA otherwise, so
+`generate` and ordinary forwards keep working.
 
 A plan can also carry per-layer context keys/values (ancestors computed in an earlier
 stream) and capture this stream's keys/values, which is how a partitioned tree gets
@@ -148,6 +149,18 @@ class StreamPlan:
     `ctx_kv[layer]` = (k_1_G_C_D, v_1_G_C_D) for streams with context; when `capture`
     is set, `captured[layer]` receives this stream's (k_1_G_T_D, v_1_G_T_D).
     """
+
+    # A plan is handed to the model as its `attention_mask`. Llama's decoder (and most
+    # others) runs every mask through transformers' `create_causal_mask`, which reads a
+    # mask's `ndim` and `shape` and then calls the mask function registered for the
+    # attention implementation: tidal's (`_plan_mask`) returns the plan itself, so it
+    # reaches every layer's attention unchanged, whatever the architecture.
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        n = self.stream.n_tokens
+        return (1, 1, n, self.stream.n_context + n)
 
     def __init__(
         self,
@@ -329,13 +342,22 @@ def tree_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _plan_mask(**kwargs: Any) -> Any:
+    """The mask function of the tree attention: a `StreamPlan` passes through unchanged;
+    any other mask (a plain forward) is built as SDPA's."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = kwargs.get("attention_mask")
+    return mask if isinstance(mask, StreamPlan) else sdpa_mask(**kwargs)
+
+
 def enable_tree_attention(model: torch.nn.Module) -> None:
     """Register the tree attention and switch `model` to it (SDPA for plain forwards)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, tree_attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, _plan_mask)
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != IMPLEMENTATION:
         model.set_attn_implementation(IMPLEMENTATION)  # type: ignore[operator]

@@ -192,7 +192,7 @@ def stream_logprobs(model: torch.nn.Module, plan: StreamPlan) -> torch.Tensor:
         model, torch.as_tensor(st.input_ids_T, device=dev)[None],
         torch.as_tensor(st.target_pred_N, device=dev),
         position_ids_B_T=torch.as_tensor(st.position_ids_T, device=dev)[None],
-        attention_mask={"full_attention": plan, "sliding_attention": plan})
+        attention_mask=plan)
     tgt = torch.as_tensor(st.target_ids_N, device=dev)
     return logits_N_V.gather(1, tgt[:, None])[:, 0] - logits_N_V.logsumexp(-1)
 

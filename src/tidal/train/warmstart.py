@@ -1,10 +1,12 @@
 """The supervised warm start: fine-tune on demonstrations that tidal generates itself.
 
 Each demonstration (chat messages with ideal tool calls, `tidal.agent.demonstrations`)
-is rendered through the model's own chat template, one message at a time, so the tokens
-trained for an assistant turn are exactly those the model must later generate after the
-gateway's prompt (`<|im_start|>assistant\\n`): the turn's text through its end-of-turn
-token. Everything else (system, user, tool results, the role headers) is context only.
+is rendered as rollouts are: the context before each assistant turn is the prompt the
+gateway builds for that request (the model's own chat template, block by block), so the
+tokens trained for an assistant turn are exactly those the model must later generate
+after the gateway's prompt (`<|im_start|>assistant\\n`): the turn's text through its
+end-of-turn token. Everything else (system, user, tool results, the role headers) is
+context only.
 
 Deliberately simple: plain cross-entropy with AdamW on right-padded batches; no packing,
 no scheduler. It runs for a few dozen steps on a tiny model.
@@ -22,6 +24,10 @@ import torch
 
 from tidal.agent.tasks import Demonstration
 from tidal.agent.tools import tool_schemas
+from tidal.gateway.family import detect_family
+from tidal.gateway.messages import parse_messages
+from tidal.gateway.render import Renderer
+from tidal.gateway.tito import SessionTurns, assemble_prompt
 from tidal.train.distributed import Ranks
 from tidal.train.trainer import logits_at
 
@@ -34,32 +40,39 @@ class Example:
     train_mask: tuple[bool, ...]
 
 
-def render_demonstration(tokenizer: Any, demo: Demonstration, end_token: str) -> Example:
-    """Render a demonstration turn by turn through the chat template; an assistant turn
-    is trained through its `end_token` (the token the engine stops on)."""
+def render_demonstration(tokenizer: Any, demo: Demonstration, end_token: str,
+                         renderer: Renderer | None = None) -> Example:
+    """Render a demonstration turn by turn: the context before each assistant turn is
+    the prompt the gateway builds for that request (`tidal.gateway.tito.assemble_prompt`
+    over the chat template, as in rollouts); the turn is its template text through
+    `end_token` (the token the engine stops on), the tokens the model must generate."""
+    renderer = renderer or Renderer(tokenizer, detect_family(tokenizer.chat_template))
     tools = tool_schemas(demo.tools)
     msgs = list(demo.messages)
     ids: list[int] = []
     mask: list[bool] = []
-    rendered = ""
     for i, msg in enumerate(msgs):
-        if msg["role"] == "assistant":
-            head = tokenizer.apply_chat_template(
-                msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True
-            )
-            full = tokenizer.apply_chat_template(msgs[: i + 1], tools=tools, tokenize=False)
-            if not (head.startswith(rendered) and full.startswith(head)):
-                raise ValueError("chat template does not render incrementally")
-            ctx = tokenizer.encode(head[len(rendered):], add_special_tokens=False)
-            turn_text = full[len(head):]
-            end = turn_text.find(end_token)
-            if end < 0:
-                raise ValueError(f"assistant turn {i} has no {end_token!r} in the template")
-            body = turn_text[: end + len(end_token)]
-            turn = tokenizer.encode(body, add_special_tokens=False)
-            ids += ctx + turn
-            mask += [False] * len(ctx) + [True] * len(turn)
-            rendered = head + body
+        if msg["role"] != "assistant":
+            continue
+        prompt = assemble_prompt(parse_messages(msgs[:i]), tools, SessionTurns(),
+                                 renderer).prompt_ids.tolist()
+        if prompt[: len(ids)] != ids:
+            raise ValueError(f"the gateway's prompt for assistant turn {i} does not extend "
+                             "the demonstration so far: the chat template does not render "
+                             "incrementally")
+        head = tokenizer.apply_chat_template(
+            msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        full = tokenizer.apply_chat_template(msgs[: i + 1], tools=tools, tokenize=False)
+        if not full.startswith(head):
+            raise ValueError("chat template does not render incrementally")
+        turn_text = full[len(head):]
+        end = turn_text.find(end_token)
+        if end < 0:
+            raise ValueError(f"assistant turn {i} has no {end_token!r} in the template")
+        turn = tokenizer.encode(turn_text[: end + len(end_token)], add_special_tokens=False)
+        mask += [False] * (len(prompt) - len(ids)) + [True] * len(turn)
+        ids = prompt + turn
     return Example(tuple(ids), tuple(mask))
 
 
@@ -73,7 +86,8 @@ def end_of_turn(tokenizer: Any) -> str:
 
 def render_all(tokenizer: Any, demos: Sequence[Demonstration]) -> list[Example]:
     end = end_of_turn(tokenizer)
-    return [render_demonstration(tokenizer, d, end) for d in demos]
+    renderer = Renderer(tokenizer, detect_family(tokenizer.chat_template))
+    return [render_demonstration(tokenizer, d, end, renderer) for d in demos]
 
 
 def _batch(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
