@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,51 +27,30 @@ from tidal.tree.types import TrainTree
 VOCAB = 512
 
 
-def tiny_qwen3(seed: int = 0, *, tied: bool = False) -> torch.nn.Module:
+# the shape every tiny test model shares (fp32, SDPA)
+_SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "attn_implementation": "sdpa"}
+
+
+def _tiny(config_cls: Any, model_cls: Any, seed: int, **extra: Any) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=tied,
-        attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(cfg).float()
+    model: torch.nn.Module = model_cls(config_cls(**_SHAPE, **extra)).float()
+    return model
+
+
+def tiny_qwen3(seed: int = 0, *, tied: bool = False) -> torch.nn.Module:
+    return _tiny(Qwen3Config, Qwen3ForCausalLM, seed, head_dim=16, tie_word_embeddings=tied)
 
 
 def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    return Qwen2ForCausalLM(cfg).float()
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, seed)
 
 
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
     """SmolLM2's architecture (Llama, tied embeddings), small: its decoder builds its
     mask with `create_causal_mask` whatever it is given, unlike Qwen's."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).float()
+    return _tiny(LlamaConfig, LlamaForCausalLM, seed, tie_word_embeddings=True)
 
 
 def random_trees(seed: int, n: int = 3, max_segments: int = 10) -> list[TrainTree]:

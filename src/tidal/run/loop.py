@@ -137,21 +137,13 @@ class Parts:
         rate = sum(e.reward >= 1.0 for e in eps) / max(len(eps), 1)
         self.log.metrics({"phase": "eval", "step": state.step, "success_rate": rate,
                           "partial_mean": sum(e.partial_score for e in eps) / max(len(eps), 1),
-                          "checks": _check_rates(eps), "families": self._family_rates(eps),
+                          "checks": _check_rates(eps),
+                          "families": _family_rates(eps, self.heldout),
                           "grader_errors": _grader_errors(eps),
                           "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
                           "seconds": time.perf_counter() - t0,
                           "policy_version": self.engine.policy_version})
         return rate
-
-    def _family_rates(self, episodes: list[Episode]) -> dict[str, float]:
-        """Success rate per task family (a built-in set's family, a Harbor task's
-        `[metadata] category`: shell-skills' skill), over the held-out episodes."""
-        family = {t.task_id: t.family or "(none)" for t in self.heldout}
-        by: dict[str, list[bool]] = {}
-        for e in episodes:
-            by.setdefault(family.get(e.task_id, "(none)"), []).append(e.reward >= 1.0)
-        return {k: round(sum(v) / len(v), 4) for k, v in sorted(by.items())}
 
     def close(self) -> None:
         if self.rollouts.live is not None:
@@ -529,6 +521,16 @@ def _check_rates(episodes: list[Episode]) -> dict[str, float]:
         for kind, rate in e.checks.items():
             kinds.setdefault(kind, []).append(rate)
     return {k: round(sum(v) / len(v), 4) for k, v in sorted(kinds.items())}
+
+
+def _family_rates(episodes: list[Episode], tasks: list[Task]) -> dict[str, float]:
+    """Success rate per task family (a built-in set's family, a Harbor task's
+    `[metadata] category`: shell-skills' skill) over `episodes` of `tasks`."""
+    family = {t.task_id: t.family or "(none)" for t in tasks}
+    by: dict[str, list[bool]] = {}
+    for e in episodes:
+        by.setdefault(family.get(e.task_id, "(none)"), []).append(e.reward >= 1.0)
+    return {k: round(sum(v) / len(v), 4) for k, v in sorted(by.items())}
 
 
 def _grader_errors(episodes: list[Episode]) -> int:
