@@ -49,7 +49,7 @@ def _config(**over: dict[str, object]) -> dict[str, object]:
 
 def test_loop_connects_every_piece(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    summary = run(parse_config(_config()), out)
+    summary = run(parse_config(_config(rl={"kl_coef": 0.05})), out)
     assert summary["steps"] == 2 and summary["policy_version"] == 3  # warm start + 2 steps
     assert summary["drift_tokens"] == 0 and summary["verify_ok"]
     curve = summary["heldout_curve"]  # start (step 0) and end (step 2) evaluations
@@ -60,6 +60,9 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
     rl = [r for r in rows if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     assert all("k3_kl" in r and "tree_token_ratio" in r for r in rl)
+    # the KL reference is the warm-started policy: step 1 trains it, step 2 has moved off
+    assert (out / "reference" / "model.safetensors").exists()
+    assert rl[0]["ref_kl"] == 0.0 and rl[1]["ref_kl"] != 0.0, rl
     # colocated: each step, both devices switch to training, and back while work is
     # left (not after the last step); nothing is stale
     sched = summary["schedule"]

@@ -160,6 +160,7 @@ def test_torchrun_starts_lora_ranks_and_the_engine_gets_merged_weights(tmp_path:
     ({"rollout": {"tasks_per_step": 1}}, "rollout.tasks_per_step"),
     ({"warmstart": {"batch_size": 1}}, "warmstart.batch_size"),
     ({"rl": {"numerics": "consistent"}}, "train.world_size"),
+    ({"rl": {"kl_coef": 0.1}}, "rl.kl_coef"),
     ({"train": {"world_size": 3, "nodes": 2}}, "train.nodes"),
     ({"train": {"lora": {"r": 0}}}, "train.lora.r"),
 ])

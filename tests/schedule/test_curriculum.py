@@ -50,6 +50,30 @@ def test_informative_draws_distinct_tasks_favouring_signal() -> None:
         ["t0", "t1"], ["t1", "t0"])  # k above the pool: all of it
 
 
+def test_balanced_spreads_each_batch_over_the_families() -> None:
+    fams = ["a"] * 10 + ["b"] * 10 + ["c"] * 3 + ["d"] * 1
+    tasks = [f"{f}{i}" for i, f in enumerate(fams)]
+    rng = random.Random(0)
+    firsts: Counter[str] = Counter()
+    for _ in range(300):
+        batch = sample_batch(rng, tasks, tasks, 6, sampling="balanced", signal={},
+                             families=fams)
+        assert len(set(batch)) == 6
+        per = Counter(t[0] for t in batch)
+        assert set(per) == {"a", "b", "c", "d"} and max(per.values()) - min(per.values()) <= 1
+        firsts[batch[0][0]] += 1
+    assert set(firsts) == {"a", "b", "c", "d"}  # the families' order is shuffled
+    # a family runs out: the others fill the batch
+    batch = sample_batch(rng, tasks, tasks, 12, sampling="balanced", signal={}, families=fams)
+    per = Counter(t[0] for t in batch)
+    assert per["d"] == 1 and per["c"] == 3 and per["a"] + per["b"] == 8 and len(set(batch)) == 12
+    # all of them when k is above the pool
+    assert sorted(sample_batch(rng, tasks, tasks, 99, sampling="balanced", signal={},
+                               families=fams)) == sorted(tasks)
+    with pytest.raises(ValueError, match="families"):
+        sample_batch(rng, tasks, tasks, 3, sampling="balanced", signal={})
+
+
 def test_bad_sampling_name() -> None:
     with pytest.raises(ValueError, match="task sampling"):
         sample_batch(random.Random(0), ["a"], ["a"], 1, sampling="hardest", signal={})

@@ -130,7 +130,8 @@ def test_metrics_match_direct_computation() -> None:
 def test_step_with_kl_reference_and_errors() -> None:
     model, trees, _ = _setup(2)
     with pytest.raises(ValueError, match="ref_model"):
-        TreeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), LossConfig(kl_coef=0.1))
+        TreeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    LossConfig(kl_coef=0.1)).step(trees)
     ref = tiny_qwen3(3)
     trainer = TreeTrainer(
         model,
@@ -155,3 +156,35 @@ def test_plain_generate_still_works_after_switching_attention() -> None:
     out = model(input_ids=ids).logits
     model.set_attn_implementation("sdpa")
     torch.testing.assert_close(out, model(input_ids=ids).logits)
+
+
+def test_a_rank_loads_its_kl_reference_from_a_checkpoint() -> None:
+    """`RankTrainer.set_reference`: without one a KL step fails; with the policy's own
+    checkpoint as the reference, the first step is the step without KL (the k3 term and
+    its gradient are 0 where policy = reference) and ref_kl is 0; the next step, the
+    policy has moved off it. Another checkpoint as reference changes the first step."""
+    from tidal.engine.tiny import ensure_tiny
+    from tidal.train.distributed import Ranks
+    from tidal.train.group import RankTrainer, TrainerSpec
+
+    rng = np.random.default_rng(0)
+    trees = [random_tree(rng, f"t{i}", n_segments=5, vocab=200, max_len=12) for i in range(4)]
+
+    def rank(kl: float) -> RankTrainer:
+        return RankTrainer(TrainerSpec(weights_dir=str(ensure_tiny(seed=0)), device="cpu",
+                                       lr=1e-3, loss=LossConfig(kl_coef=kl), max_tokens=64),
+                           Ranks())
+
+    plain = rank(0.0).step(trees)
+    same = rank(0.5)
+    with pytest.raises(ValueError, match="ref_model"):
+        same.step(trees)
+    same.set_reference(str(ensure_tiny(seed=0)))
+    first = same.step(trees)
+    assert first.loss == pytest.approx(plain.loss, rel=1e-6) and first.ref_kl == 0.0
+    assert first.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
+    assert same.step(trees).ref_kl != 0.0
+    other = rank(0.5)
+    other.set_reference(str(ensure_tiny(seed=1)))
+    moved = other.step(trees)
+    assert moved.ref_kl != 0.0 and moved.loss != pytest.approx(plain.loss, rel=1e-3)

@@ -371,7 +371,7 @@ def trainer_spec(cfg: RunConfig, weights_dir: Path, ckpt: Path | None, *,
     return TrainerSpec(
         weights_dir=str(weights_dir.resolve()), device=device, lr=cfg.rl.lr,
         loss=LossConfig(clip_low=cfg.rl.clip_eps, clip_high=cfg.rl.clip_eps,
-                        correction=cfg.rl.correction),
+                        correction=cfg.rl.correction, kl_coef=cfg.rl.kl_coef),
         max_tokens=cfg.rl.max_tokens_per_stream,
         attention="consistent" if cfg.rl.numerics == "consistent" else "auto",
         world_size=t.world_size, nodes=t.nodes, lora=lora,

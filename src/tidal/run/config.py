@@ -216,10 +216,10 @@ class RolloutConfig(_Section):
         ("write_file", "finish"),
         description="tools offered to the agent (and in the warm start's demonstrations)",
     )
-    task_sampling: Literal["uniform", "informative"] = Field(
+    task_sampling: Literal["uniform", "informative", "balanced"] = Field(
         "informative",
-        description="which training tasks a batch rolls out: uniformly, or favouring tasks "
-        "whose groups' rewards differed (docs/config.md)",
+        description="which training tasks a batch rolls out: uniformly, favouring tasks "
+        "whose groups' rewards differed, or spread over the task families (docs/config.md)",
     )
     sandbox: str = Field(
         "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted); "
@@ -273,6 +273,10 @@ class RLConfig(_Section):
         "tis", description="train/inference importance correction"
     )
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range")
+    kl_coef: float = Field(
+        0.0, ge=0, description="weight of a KL penalty (k3, per trained token) towards the "
+        "policy RL started from (the warm-started model, kept in RUN_DIR/reference); 0: none",
+    )
     timeout_reward: Literal["partial", "zero", "mask"] = Field(
         "partial", description="reward of timed-out/truncated sessions"
     )
@@ -424,6 +428,9 @@ class RunConfig(_Section):
         if self.rl.numerics == "consistent":
             raise ValueError("rl.numerics = \"consistent\" trains in one process: set "
                              "train.world_size = 1")
+        if self.rl.kl_coef:
+            raise ValueError("rl.kl_coef > 0 (a KL reference model) trains in one process: "
+                             "set train.world_size = 1")
 
 
 def _format_error(e: ValidationError, source: str) -> str:

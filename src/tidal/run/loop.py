@@ -2,6 +2,7 @@
 
     build        model + tokenizer, engine, ledger, gateway, tasks, harness, trainer
     warm start   SFT on the tasks' demonstrations (when there are any)
+    reference    rl.kl_coef > 0: the warm-started policy, frozen, for the KL term
     evaluate     held-out tasks                           -> success_rate_start
     RL           for each step:
                    roll out task groups through the gateway   (sandbox + harness + engine -> ledger)
@@ -65,7 +66,7 @@ from tidal.sandbox.types import Bind
 from tidal.schedule.backend import Work
 from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
-from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan
+from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
 from tidal.train.warmstart import render_all
 from tidal.tree import process_store
 from tidal.tree.html import render_episode_html
@@ -281,6 +282,7 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     try:
         with parts.log.live():
             state = warm_start_phase(parts, state)
+            reference_phase(parts, state)
             if state.success_rate_start is None:
                 state = parts.checkpoint(state.advance(success_rate_start=parts.evaluate("start",
                                                                                        state)))
@@ -332,6 +334,24 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     return parts.checkpoint(state)
 
 
+def reference_phase(parts: Parts, state: RunState) -> None:
+    """`rl.kl_coef > 0`: the KL term's reference is the policy RL starts from (the
+    warm-started one), written once to RUN_DIR/reference before the first RL step and
+    read back by every resume."""
+    if not parts.cfg.rl.kl_coef:
+        return
+    ref = parts.run_dir / "reference"
+    if not ref.exists():
+        if state.step > 0:
+            raise RunError(f"{ref} is missing: the KL reference (the policy at RL step 0) "
+                           f"cannot be rebuilt at step {state.step}")
+        tmp = ref.with_name("reference.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_checkpoint(tmp, parts.trainer.state_dict(), parts.trainer.config)
+        tmp.rename(ref)
+    parts.trainer.set_reference(ref)
+
+
 def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[str, Any]]:
     """`rl.steps` steps: the scheduler rolls out task groups; each full batch of groups
     is rebuilt into trees and trained. Returns the state, the last step's sessions (for
@@ -348,6 +368,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
                                       migrator=RolloutMigrator(parts.rollouts))
     roll = partial(parts.rollouts.group, base_version=state.policy_version, keep=live is not None)
     train_ids = [t.task_id for t in parts.train_tasks]
+    train_families = [t.family for t in parts.train_tasks]
     first_step = state.step
     trained = set(state.trained_sessions) | set(state.dropped_sessions)
 
@@ -360,7 +381,8 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             if not left:
                 left.extend(sample_batch(rng, parts.train_tasks, train_ids, b,
                                          sampling=cfg.rollout.task_sampling,
-                                         signal=state.task_signal))
+                                         signal=state.task_signal,
+                                         families=train_families))
             task = left.popleft()
             if task.task_id in planned.get(step, set()):
                 planned[step].discard(task.task_id)

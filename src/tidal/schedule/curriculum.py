@@ -15,6 +15,13 @@ online difficulty filtering, applied before the rollout so no compute is spent o
 Deliberately simplified: evidence is per task (tasks that share a skill share nothing)
 and never ages, although the policy that produced it changes; the +1/+2 prior keeps
 every task drawable, so a solved task is still revisited now and then.
+
+`balanced` sampling spreads each batch over the task families (a Harbor task's
+`metadata.family`, a built-in set's family): the families in a shuffled order, one task
+of each in turn, each drawn uniformly from its family's tasks. When a set of many skills
+is trained a few task groups at a time, a uniform batch often holds two of one skill
+and none of three others, and the step pulls the policy towards the skills it happens to
+hold (measured on `shell-skills`: docs/agent.md).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 TaskSignal = Mapping[str, tuple[int, int]]  # task id -> (groups trained, with differing rewards)
-SAMPLINGS = ("uniform", "informative")
+SAMPLINGS = ("uniform", "informative", "balanced")
 
 T = TypeVar("T")
 
@@ -52,15 +59,18 @@ def task_weight(task_id: str, signal: TaskSignal) -> float:
 
 def sample_batch(
     rng: random.Random, tasks: Sequence[T], ids: Sequence[str], k: int, *,
-    sampling: str, signal: TaskSignal,
+    sampling: str, signal: TaskSignal, families: Sequence[str] = (),
 ) -> list[T]:
-    """k distinct tasks (all of them if fewer): uniformly (`rng.sample`) or weighted by
-    `task_weight` (`ids[i]` is the id of `tasks[i]`)."""
+    """k distinct tasks (all of them if fewer): uniformly (`rng.sample`), weighted by
+    `task_weight` (`ids[i]` is the id of `tasks[i]`), or spread over `families`
+    (`families[i]` is the family of `tasks[i]`; see `balanced`)."""
     if sampling not in SAMPLINGS:
         raise ValueError(f"task sampling must be one of {SAMPLINGS}, got {sampling!r}")
     k = min(k, len(tasks))
     if sampling == "uniform":
         return rng.sample(list(tasks), k)
+    if sampling == "balanced":
+        return [tasks[i] for i in balanced(rng, families, k)]
     pool = list(range(len(tasks)))
     weights = [task_weight(ids[i], signal) for i in pool]
     chosen: list[T] = []
@@ -68,4 +78,25 @@ def sample_batch(
         j = rng.choices(range(len(pool)), weights=weights)[0]
         chosen.append(tasks[pool.pop(j)])
         weights.pop(j)
+    return chosen
+
+
+def balanced(rng: random.Random, families: Sequence[str], k: int) -> list[int]:
+    """k distinct indices into `families`, one family at a time: the families in an
+    order shuffled by `rng`, cycled while k is not reached, each turn drawing a task
+    not yet drawn of that family uniformly. Each of F families gets floor(k / F) or one
+    more (fewer only when it has no tasks left)."""
+    if len(families) < k:
+        raise ValueError(f"balanced sampling: {k} tasks asked of {len(families)} with families")
+    by: dict[str, list[int]] = {}
+    for i, fam in enumerate(families):
+        by.setdefault(fam, []).append(i)
+    order = sorted(by)
+    rng.shuffle(order)
+    chosen: list[int] = []
+    while len(chosen) < k:
+        for fam in order:
+            left = by[fam]
+            if left and len(chosen) < k:
+                chosen.append(left.pop(rng.randrange(len(left))))
     return chosen

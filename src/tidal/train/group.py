@@ -178,6 +178,15 @@ class RankTrainer:
         self.peak_memory_mb = self.ranks.gather_floats(peak_memory_mb(self.device))
         return m
 
+    def set_reference(self, weights_dir: str) -> None:
+        """Load the transformers checkpoint `weights_dir`, frozen, as the KL term's
+        reference policy (`LossConfig.kl_coef`)."""
+        from tidal.engine.model import load_policy_model
+
+        lm = load_policy_model(Path(weights_dir), device=str(self.device), dtype=torch.float32)
+        lm.requires_grad_(False)
+        self.trainer.set_reference(TargetLM(lm))
+
     def warm_start(self, examples: Sequence[Example], plan: WarmStartPlan,
                    on_step: Callable[[int, float, float], None] | None = None) -> list[float]:
         losses = warm_start(self.model, examples, steps=plan.steps, batch_size=plan.batch_size,
@@ -347,6 +356,13 @@ class TrainerGroup:
             return self._one().warm_start(examples, plan, on_step)
         losses: list[float] = self._call("warm_start", list(examples), plan, on_step=on_step)
         return losses
+
+    def set_reference(self, weights_dir: Path) -> None:
+        """The KL term's reference policy: the transformers checkpoint `weights_dir`."""
+        if self.world_size > 1:
+            raise ValueError("a KL reference (rl.kl_coef > 0) trains in one process: set "
+                             "train.world_size = 1")
+        self._one().set_reference(str(weights_dir))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self.world_size == 1:

@@ -279,6 +279,7 @@ class StepMetrics:
     grad_norm: float
     seconds: float
     trees_skipped: int = 0  # trees without signal (all advantages 0), not trained
+    ref_kl: float = 0.0  # with a KL reference: mean over target tokens of (trainer - reference)
 
     @classmethod
     def empty(cls, skipped: int, seconds: float) -> StepMetrics:
@@ -501,8 +502,6 @@ class TreeTrainer:
         merge: bool = True,
         ranks: Ranks | None = None,
     ) -> None:
-        if loss_config.kl_coef and ref_model is None:
-            raise ValueError("loss_config.kl_coef > 0 needs a ref_model")
         self.ranks = ranks or Ranks()
         if self.ranks.distributed and (attention == "consistent" or ref_model is not None):
             raise ValueError("training across ranks supports neither consistent numerics nor "
@@ -520,6 +519,13 @@ class TreeTrainer:
         if ref_model is not None:
             enable_tree_attention(_lm(ref_model))
 
+    def set_reference(self, ref_model: torch.nn.Module) -> None:
+        """The frozen policy the KL term (`LossConfig.kl_coef`) pulls towards."""
+        if self.ranks.distributed:
+            raise ValueError("training across ranks does not support a reference model (KL) yet")
+        enable_tree_attention(_lm(ref_model))
+        self.ref_model = ref_model
+
     def _idle(self, batch: PackedBatch, n: int, *, grad: bool) -> None:
         """`n` passes over the batch's first stream with a loss of 0 (FSDP's collectives:
         every rank runs as many forwards and backwards)."""
@@ -534,6 +540,9 @@ class TreeTrainer:
 
     def step(self, trees: Sequence[TrainTree]) -> StepMetrics:
         t0 = time.perf_counter()
+        if self.cfg.kl_coef and self.ref_model is None:
+            raise ValueError("loss_config.kl_coef > 0 needs a ref_model (TreeTrainer(ref_model=) "
+                             "or set_reference)")
         ranks = self.ranks
         groups = sorted({b.norm_group for t in trees for b in t.branches})
         skipped = 0
@@ -563,6 +572,7 @@ class TreeTrainer:
                 self.ref_model, batch, attention=self.attention, max_mask_bytes=self.max_mask_bytes
             )
         terms = build_pair_terms(batch, old, self.cfg, ref, groups=groups, ranks=ranks)
+        ref_kl = float((old - ref).double().mean()) if ref is not None and old.numel() else 0.0
         self.optimizer.zero_grad(set_to_none=True)
         with lora_dropout(self.model, True):  # LoRA's dropout, if any, in this pass only
             loss, clip_frac = tree_loss_backward(
@@ -603,5 +613,6 @@ class TreeTrainer:
             grad_norm=grad_norm if not math.isnan(grad_norm) else 0.0,
             seconds=time.perf_counter() - t0,
             trees_skipped=skipped,
+            ref_kl=ref_kl,
             **finish_mismatch(sums, max_abs),
         )
