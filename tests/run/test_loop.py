@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tidal.ledger import LedgerStore
 from tidal.run.config import RunConfig, parse_config
-from tidal.run.loop import RunError, run
+from tidal.run.loop import RunError, run, warm_start_batches
 from tidal.run.report import render_report
 from tidal.tree import process_store
 
@@ -205,6 +207,24 @@ def test_consistent_runs_of_one_seed_match_bit_for_bit(tmp_path: Path) -> None:
 def test_bad_run_dir(tmp_path: Path) -> None:
     with pytest.raises(RunError, match="nothing to resume"):
         run(parse_config(_config()), tmp_path / "none", resume=True)
+
+
+def test_warm_start_batches_are_uniform_or_spread_over_the_families() -> None:
+    families = ["a"] * 30 + ["b"] * 6 + ["c"] * 4  # a skewed set, as a small draw is
+    plan = {"steps": 20, "batch_size": 6}
+    uniform = warm_start_batches(families, parse_config(_config(warmstart=plan)))
+    rng = random.Random(0)  # `seed`'s default: the draws rng.sample made before
+    assert uniform == tuple(tuple(rng.sample(range(40), 6)) for _ in range(20))
+    assert any(Counter(families[i] for i in b)["a"] > 2 for b in uniform)
+    balanced = warm_start_batches(
+        families, parse_config(_config(warmstart={**plan, "sampling": "balanced"})))
+    assert len(balanced) == 20
+    for b in balanced:
+        assert len(set(b)) == 6
+        assert Counter(families[i] for i in b) == {"a": 2, "b": 2, "c": 2}
+    everything = warm_start_batches(
+        families[:4], parse_config(_config(warmstart={**plan, "sampling": "balanced"})))
+    assert all(sorted(b) == [0, 1, 2, 3] for b in everything)  # fewer than a batch: all
 
 
 def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:

@@ -255,6 +255,10 @@ class WarmstartConfig(_Section):
     steps: int = Field(150, ge=0, description="supervised steps on generated demonstrations")
     batch_size: int = Field(16, ge=1, description="demonstrations per step")
     lr: float = Field(1e-3, gt=0, description="learning rate")
+    sampling: Literal["uniform", "balanced"] = Field(
+        "uniform", description="how each batch is drawn: uniformly from the demonstrations, "
+        "or spread over the task families (one of each in turn, as rollout.task_sampling)",
+    )
     teacher: Literal["exact", "mixed"] = Field(
         "mixed",
         description="exact: demonstrations solve each task as graded; mixed: each task also "

@@ -33,6 +33,7 @@ import resource
 import shutil
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -307,9 +308,11 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     cfg = parts.cfg
     if state.warmstart_done:
         return state
-    demos = [_offer(d, cfg.rollout.tools)
-             for t in taught([t for t in parts.train_tasks if t.solution], cfg.warmstart.teacher)
-             for d in parts.rollouts.demonstrations(t)] if cfg.warmstart.steps else []
+    taught_demos = [(t.family, _offer(d, cfg.rollout.tools))
+                    for t in taught([t for t in parts.train_tasks if t.solution],
+                                    cfg.warmstart.teacher)
+                    for d in parts.rollouts.demonstrations(t)] if cfg.warmstart.steps else []
+    demos = [d for _, d in taught_demos]
     if cfg.warmstart.steps and not demos:
         raise RunError("warmstart.steps > 0 but no training task has a demonstration (tasks "
                        "from a directory or module:attr usually have none): set "
@@ -318,9 +321,8 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     t0 = time.perf_counter()
     losses = parts.trainer.warm_start(
         render_all(parts.tokenizer, demos),
-        WarmStartPlan(steps=cfg.warmstart.steps, batch_size=cfg.warmstart.batch_size,
-                      lr=cfg.warmstart.lr, pad_id=parts.tokenizer.pad_token_id or 0,
-                      seed=cfg.seed),
+        WarmStartPlan(batches=warm_start_batches([f for f, _ in taught_demos], cfg),
+                      lr=cfg.warmstart.lr, pad_id=parts.tokenizer.pad_token_id or 0),
         on_step=lambda i, loss, _dt: parts.log.advance("warm start", loss=loss),
     ) if demos else []
     parts.log.metrics({"phase": "warmstart", "step": 0,
@@ -332,6 +334,17 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     state = state.advance(warmstart_done=True, policy_version=state.policy_version + 1)
     parts.sync_engine(state.policy_version)
     return parts.checkpoint(state)
+
+
+def warm_start_batches(families: Sequence[str], cfg: RunConfig) -> tuple[tuple[int, ...], ...]:
+    """`warmstart.steps` batches of `warmstart.batch_size` demonstration indices (all of
+    them when fewer), drawn from one generator seeded by `seed`: uniformly, or spread over
+    the demonstrations' task `families` (`warmstart.sampling`)."""
+    rng, pool = random.Random(cfg.seed), range(len(families))
+    return tuple(tuple(sample_batch(rng, pool, (), cfg.warmstart.batch_size,
+                                    sampling=cfg.warmstart.sampling, signal={},
+                                    families=families))
+                 for _ in range(cfg.warmstart.steps))
 
 
 def reference_phase(parts: Parts, state: RunState) -> None:

@@ -97,13 +97,12 @@ class TrainerSpec:
 
 @dataclass(frozen=True)
 class WarmStartPlan:
-    """The supervised warm start's settings (`tidal.train.warmstart.warm_start`)."""
+    """The supervised warm start's settings (`tidal.train.warmstart.warm_start`): one
+    step per batch of demonstration indices."""
 
-    steps: int
-    batch_size: int
+    batches: tuple[tuple[int, ...], ...]
     lr: float
     pad_id: int
-    seed: int
 
 
 def _rank_device(spec: TrainerSpec, ranks: Ranks) -> torch.device:
@@ -189,9 +188,8 @@ class RankTrainer:
 
     def warm_start(self, examples: Sequence[Example], plan: WarmStartPlan,
                    on_step: Callable[[int, float, float], None] | None = None) -> list[float]:
-        losses = warm_start(self.model, examples, steps=plan.steps, batch_size=plan.batch_size,
-                            lr=plan.lr, pad_id=plan.pad_id, seed=plan.seed, on_step=on_step,
-                            ranks=self.ranks)
+        losses = warm_start(self.model, examples, batches=plan.batches, lr=plan.lr,
+                            pad_id=plan.pad_id, on_step=on_step, ranks=self.ranks)
         self.updates += 1
         return losses
 

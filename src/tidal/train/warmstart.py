@@ -14,7 +14,6 @@ no scheduler. It runs for a few dozen steps on a tiny model.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -120,33 +119,35 @@ def warm_start(
     model: torch.nn.Module,
     examples: Sequence[Example],
     *,
-    steps: int,
-    batch_size: int,
+    batches: Sequence[Sequence[int]],
     lr: float,
     pad_id: int,
-    seed: int,
     on_step: Callable[[int, float, float], None] | None = None,
     ranks: Ranks | None = None,
 ) -> list[float]:
-    """Fine-tune `model` in place (its trainable parameters); returns each step's loss.
-    Across `ranks`, every rank draws the same batch and trains rows rank, rank + world,
-    ...; the loss is normalised by the whole batch's labelled tokens, so the ranks'
-    summed gradients are the one-rank gradient."""
+    """Fine-tune `model` in place (its trainable parameters), one step per batch of
+    indices into `examples` (the recipe draws them: `tidal.schedule.curriculum`); returns
+    each step's loss. Across `ranks`, every rank is given the same batches and trains
+    rows rank, rank + world, ...; the loss is normalised by the whole batch's labelled
+    tokens, so the ranks' summed gradients are the one-rank gradient."""
     ranks = ranks or Ranks()
     if not examples:
         raise ValueError("warm start needs at least one demonstration")
-    if min(batch_size, len(examples)) < ranks.world:
-        raise ValueError(f"a warm-start batch of {min(batch_size, len(examples))} "
+    bad = [i for b in batches for i in b if not 0 <= i < len(examples)]
+    if bad:
+        raise ValueError(f"warm-start batch index {bad[0]} is outside the {len(examples)} "
+                         "demonstrations")
+    if batches and min(len(b) for b in batches) < ranks.world:
+        raise ValueError(f"a warm-start batch of {min(len(b) for b in batches)} "
                          f"demonstrations cannot give each of {ranks.world} ranks one")
-    rng = random.Random(seed)
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
     losses = []
-    for step in range(steps):
+    for step, indices in enumerate(batches):
         t0 = time.perf_counter()
-        batch = rng.sample(list(examples), min(batch_size, len(examples)))
+        batch = [examples[i] for i in indices]
         ids, labels = _batch(batch[ranks.rank :: ranks.world], pad_id)
         ids, labels = ids.to(device), labels.to(device)
         n_total = ranks.sum_(torch.tensor([float((labels[:, 1:] != -100).sum())],
