@@ -308,11 +308,10 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     cfg = parts.cfg
     if state.warmstart_done:
         return state
-    taught_demos = [(t.family, _offer(d, cfg.rollout.tools))
-                    for t in taught([t for t in parts.train_tasks if t.solution],
-                                    cfg.warmstart.teacher)
-                    for d in parts.rollouts.demonstrations(t)] if cfg.warmstart.steps else []
-    demos = [d for _, d in taught_demos]
+    pairs = [(t.family, _offer(d, cfg.rollout.tools))
+             for t in taught([t for t in parts.train_tasks if t.solution], cfg.warmstart.teacher)
+             for d in parts.rollouts.demonstrations(t)] if cfg.warmstart.steps else []
+    families, demos = [f for f, _ in pairs], [d for _, d in pairs]
     if cfg.warmstart.steps and not demos:
         raise RunError("warmstart.steps > 0 but no training task has a demonstration (tasks "
                        "from a directory or module:attr usually have none): set "
@@ -321,7 +320,7 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     t0 = time.perf_counter()
     losses = parts.trainer.warm_start(
         render_all(parts.tokenizer, demos),
-        WarmStartPlan(batches=warm_start_batches([f for f, _ in taught_demos], cfg),
+        WarmStartPlan(batches=warm_start_batches(families, cfg),
                       lr=cfg.warmstart.lr, pad_id=parts.tokenizer.pad_token_id or 0),
         on_step=lambda i, loss, _dt: parts.log.advance("warm start", loss=loss),
     ) if demos else []
