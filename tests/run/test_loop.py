@@ -23,7 +23,7 @@ import pytest
 
 from tidal.ledger import LedgerStore
 from tidal.run.config import RunConfig, parse_config
-from tidal.run.loop import RunError, run, warm_start_batches
+from tidal.run.loop import RunError, rl_task_pool, run, warm_start_batches
 from tidal.run.report import render_report
 from tidal.tree import process_store
 
@@ -225,6 +225,33 @@ def test_warm_start_batches_are_uniform_or_spread_over_the_families() -> None:
     everything = warm_start_batches(
         families[:4], parse_config(_config(warmstart={**plan, "sampling": "balanced"})))
     assert all(sorted(b) == [0, 1, 2, 3] for b in everything)  # fewer than a batch: all
+
+
+def test_rl_task_pool_leaves_out_what_the_warm_start_imitated() -> None:
+    from tidal.agent.tasks import load_taskset
+
+    tasks = list(load_taskset("tools").train[:5])
+    ids = [t.task_id for t in tasks]
+    assert rl_task_pool(tasks, ids[:2], "all") == tasks
+    assert [t.task_id for t in rl_task_pool(tasks, ids[:2], "undemonstrated")] == ids[2:]
+    with pytest.raises(RunError, match="imitated all 5 training tasks"):
+        rl_task_pool(tasks, ids, "undemonstrated")
+
+
+def test_undemonstrated_rl_tasks_are_those_the_warm_start_did_not_imitate(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    run(parse_config(_config(tasks={"train_size": 6},
+                             warmstart={"steps": 1, "batch_size": 2},
+                             rollout={"task_pool": "undemonstrated", "tasks_per_step": 4},
+                             rl={"steps": 1})), out)
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    imitated = set(state["demonstrated"])
+    assert len(imitated) == 2
+    with LedgerStore(out / "ledger.db", readonly=True) as store:
+        rolled = {s.task_id for s in store.sessions() if s.session_id.startswith("rl-")}
+    assert len(rolled) == 4 and not rolled & imitated, (rolled, imitated)
 
 
 def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:

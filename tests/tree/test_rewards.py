@@ -35,6 +35,24 @@ def test_grpo_groups_by_task(store: LedgerStore, writer: SynthWriter) -> None:
     assert _adv(process_store(store, advantage="none")) == pytest.approx(
         {"a": 1.0, "b": 0.0, "c": 0.5, "solo": 0.7}
     )
+    batch = (1.0 + 0.0 + 0.5 + 0.7) / 4  # one baseline over both groups
+    assert _adv(process_store(store, advantage="batch_mean")) == pytest.approx(
+        {"a": 1.0 - batch, "b": -batch, "c": 0.5 - batch, "solo": 0.7 - batch}
+    )
+
+
+def test_batch_mean_leaves_masked_episodes_out(store: LedgerStore, writer: SynthWriter) -> None:
+    for sid, r in (("a", 1.0), ("b", 1.0)):  # a group that all succeeds: 0 under "mean"
+        write_linear(writer, sid, task_id="t1")
+        writer.outcome(sid, Status.COMPLETE, r)
+    write_linear(writer, "lost", task_id="t2")
+    writer.outcome("lost", Status.INFRA_ERROR, 0.0)
+    write_linear(writer, "z", task_id="t3")
+    writer.outcome("z", Status.COMPLETE, 0.0)
+    assert _adv(process_store(store)) == pytest.approx({"a": 0.0, "b": 0.0, "z": 0.0})
+    assert _adv(process_store(store, advantage="batch_mean")) == pytest.approx(
+        {"a": 1 / 3, "b": 1 / 3, "z": -2 / 3}
+    )
 
 
 def test_own_reward_keeps_a_prefix_path(store: LedgerStore, writer: SynthWriter) -> None:

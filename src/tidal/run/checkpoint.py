@@ -29,6 +29,7 @@ class RunState:
     dropped_sessions: tuple[str, ...] = ()  # scheduled but dropped (stale) or failed
     sessions: int = 0  # RL sessions rolled out
     task_signal: dict[str, tuple[int, int]] = field(default_factory=dict)  # curriculum.py
+    demonstrated: tuple[str, ...] = ()  # training tasks the warm start imitated
     extra: dict[str, Any] = field(default_factory=dict)
 
     def advance(self, **changes: Any) -> RunState:
@@ -74,5 +75,6 @@ def load_state(ckpt: Path) -> RunState:
     d = json.loads((ckpt / "state.json").read_text())
     d["trained_sessions"] = tuple(d.get("trained_sessions", ()))
     d["dropped_sessions"] = tuple(d.get("dropped_sessions", ()))
+    d["demonstrated"] = tuple(d.get("demonstrated", ()))
     d["task_signal"] = {t: (int(n), int(k)) for t, (n, k) in d.get("task_signal", {}).items()}
     return RunState(**d)

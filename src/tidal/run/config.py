@@ -221,6 +221,10 @@ class RolloutConfig(_Section):
         description="which training tasks a batch rolls out: uniformly, favouring tasks "
         "whose groups' rewards differed, or spread over the task families (docs/config.md)",
     )
+    task_pool: Literal["all", "undemonstrated"] = Field(
+        "all", description="the training tasks RL draws from: all, or only those the warm "
+        "start did not imitate (their answers are found, not recalled)",
+    )
     sandbox: str = Field(
         "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted); "
         "module:attr: a factory(SandboxConfig) -> context manager of a ToolRuntime",
@@ -272,6 +276,12 @@ class RLConfig(_Section):
     max_paths: int = Field(5, ge=1, description="J: paths trained per episode")
     normalization: Literal["two_level", "token", "path"] = Field(
         "two_level", description="loss normalisation (docs/trees.md)"
+    )
+    advantage: Literal["mean", "mean_std", "batch_mean", "none"] = Field(
+        "mean", description="baseline of each session's advantage: its task group's mean "
+        "reward (mean; mean_std also divides by the group's std), the mean reward of the "
+        "step's whole batch (batch_mean: a group that all fails or all succeeds still "
+        "carries signal), or none (docs/trees.md)",
     )
     correction: Literal["none", "tis", "mis", "seq_tis", "geo_mis", "icepop"] = Field(
         "tis", description="train/inference importance correction"

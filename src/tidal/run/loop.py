@@ -308,19 +308,21 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
     cfg = parts.cfg
     if state.warmstart_done:
         return state
-    pairs = [(t.family, _offer(d, cfg.rollout.tools))
+    pairs = [(t, _offer(d, cfg.rollout.tools))
              for t in taught([t for t in parts.train_tasks if t.solution], cfg.warmstart.teacher)
              for d in parts.rollouts.demonstrations(t)] if cfg.warmstart.steps else []
-    families, demos = [f for f, _ in pairs], [d for _, d in pairs]
+    families, demos = [t.family for t, _ in pairs], [d for _, d in pairs]
     if cfg.warmstart.steps and not demos:
         raise RunError("warmstart.steps > 0 but no training task has a demonstration (tasks "
                        "from a directory or module:attr usually have none): set "
                        "warmstart.steps = 0")
     parts.log.phase("warm start", cfg.warmstart.steps)
     t0 = time.perf_counter()
+    batches = warm_start_batches(families, cfg)
+    imitated = tuple(sorted({pairs[i][0].task_id for b in batches for i in b}))
     losses = parts.trainer.warm_start(
         render_all(parts.tokenizer, demos),
-        WarmStartPlan(batches=warm_start_batches(families, cfg),
+        WarmStartPlan(batches=batches,
                       lr=cfg.warmstart.lr, pad_id=parts.tokenizer.pad_token_id or 0),
         on_step=lambda i, loss, _dt: parts.log.advance("warm start", loss=loss),
     ) if demos else []
@@ -330,7 +332,8 @@ def warm_start_phase(parts: Parts, state: RunState) -> RunState:
                        "seconds": time.perf_counter() - t0})
     if not losses:  # nothing trained: the engine already has these weights (version 0)
         return parts.checkpoint(state.advance(warmstart_done=True))
-    state = state.advance(warmstart_done=True, policy_version=state.policy_version + 1)
+    state = state.advance(warmstart_done=True, policy_version=state.policy_version + 1,
+                          demonstrated=imitated)
     parts.sync_engine(state.policy_version)
     return parts.checkpoint(state)
 
@@ -344,6 +347,19 @@ def warm_start_batches(families: Sequence[str], cfg: RunConfig) -> tuple[tuple[i
                                     sampling=cfg.warmstart.sampling, signal={},
                                     families=families))
                  for _ in range(cfg.warmstart.steps))
+
+
+def rl_task_pool(tasks: Sequence[Task], demonstrated: Sequence[str], which: str) -> list[Task]:
+    """The training tasks RL draws from (`rollout.task_pool`): all, or those whose
+    solutions the warm start did not imitate (`demonstrated`)."""
+    if which == "all":
+        return list(tasks)
+    seen = set(demonstrated)
+    left = [t for t in tasks if t.task_id not in seen]
+    if not left:
+        raise RunError(f'rollout.task_pool = "undemonstrated": the warm start imitated all '
+                       f"{len(tasks)} training tasks; add tasks or set it to \"all\"")
+    return left
 
 
 def reference_phase(parts: Parts, state: RunState) -> None:
@@ -379,8 +395,9 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
     sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg),
                                       migrator=RolloutMigrator(parts.rollouts))
     roll = partial(parts.rollouts.group, base_version=state.policy_version, keep=live is not None)
-    train_ids = [t.task_id for t in parts.train_tasks]
-    train_families = [t.family for t in parts.train_tasks]
+    pool = rl_task_pool(parts.train_tasks, state.demonstrated, cfg.rollout.task_pool)
+    train_ids = [t.task_id for t in pool]
+    train_families = [t.family for t in pool]
     first_step = state.step
     trained = set(state.trained_sessions) | set(state.dropped_sessions)
 
@@ -391,7 +408,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
         rng, left = plans.setdefault(step, (random.Random(f"{cfg.seed}/rl/{step}"), deque()))
         while True:
             if not left:
-                left.extend(sample_batch(rng, parts.train_tasks, train_ids, b,
+                left.extend(sample_batch(rng, pool, train_ids, b,
                                          sampling=cfg.rollout.task_sampling,
                                          signal=state.task_signal,
                                          families=train_families))
@@ -475,7 +492,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             t1 = time.perf_counter()
             result = process_store(
                 store, sessions, max_paths=cfg.rl.max_paths, incomplete=cfg.rl.timeout_reward,
-                normalisation=cfg.rl.normalization, strict=False,
+                advantage=cfg.rl.advantage, normalisation=cfg.rl.normalization, strict=False,
             )
             metrics = parts.trainer.step(result.trees).as_dict() if result.trees else {}
             t_train = time.perf_counter() - t1

@@ -56,7 +56,9 @@ def trees_cmd(
     incomplete: Annotated[
         str, typer.Option(help="timeout/truncated reward: partial | zero | mask.")
     ] = "partial",
-    advantage: Annotated[str, typer.Option(help="GRPO baseline: mean | mean_std | none.")] = "mean",
+    advantage: Annotated[
+        str, typer.Option(help="baseline: mean | mean_std | batch_mean | none.")
+    ] = "mean",
     normalisation: Annotated[str, typer.Option(help="two_level | token | path.")] = "two_level",
     compaction_samples: Annotated[
         bool, typer.Option(help="Each summary call becomes its own sample.")

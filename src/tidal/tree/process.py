@@ -59,7 +59,7 @@ from tidal.tree.types import Branch, Segment, TrainTree
 NORMALISATIONS = ("two_level", "token", "path")
 INCOMPLETE_POLICIES = ("partial", "zero", "mask")
 ORDERS = ("coverage", "longest", "random")
-ADVANTAGES = ("mean", "mean_std", "none")
+ADVANTAGES = ("mean", "mean_std", "batch_mean", "none")
 ROLE_PRIORITY = {"main": 0, "main_summary": 1, "subagent": 2, "subagent_summary": 3}
 BATCH_GROUP = "batch"
 _STD_EPS = 1e-6
@@ -102,6 +102,10 @@ def group_baselines(
     for g, r in rewards.values():
         if r is not None:
             groups[g].append(r)
+    if advantage == "batch_mean":  # one baseline: every unmasked episode given
+        every = [v for vals in groups.values() for v in vals]
+        batch = (math.fsum(every) / len(every), 1.0) if every else (0.0, 1.0)
+        return dict.fromkeys(rewards, batch)
     out: dict[str, tuple[float, float]] = {}
     for ep, (g, _r) in rewards.items():
         vals = groups.get(g, [])
