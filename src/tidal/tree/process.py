@@ -98,14 +98,13 @@ def group_baselines(
     `rewards` maps episode id -> (group key, reward or None when masked)."""
     if advantage not in ADVANTAGES:
         raise ValueError(f"advantage must be one of {ADVANTAGES}, got {advantage!r}")
+    if advantage == "batch_mean":  # one baseline: every unmasked episode given
+        every = [r for _g, r in rewards.values() if r is not None]
+        return dict.fromkeys(rewards, (math.fsum(every) / len(every) if every else 0.0, 1.0))
     groups: dict[str, list[float]] = defaultdict(list)
     for g, r in rewards.values():
         if r is not None:
             groups[g].append(r)
-    if advantage == "batch_mean":  # one baseline: every unmasked episode given
-        every = [v for vals in groups.values() for v in vals]
-        batch = (math.fsum(every) / len(every), 1.0) if every else (0.0, 1.0)
-        return dict.fromkeys(rewards, batch)
     out: dict[str, tuple[float, float]] = {}
     for ep, (g, _r) in rewards.items():
         vals = groups.get(g, [])
