@@ -420,3 +420,31 @@ def test_decode_batch_merge_and_trim_are_exact(engine: EmbeddedEngine) -> None:
         assert res.output_ids == want.output_ids
         assert res.finish_reason == want.finish_reason
         np.testing.assert_allclose(res.logprobs, want.logprobs, atol=ATOL, rtol=0)
+
+
+def test_decode_steps_append_in_place(engine: EmbeddedEngine) -> None:
+    """A decode step writes its column into the KV buffers (no copy of the whole cache);
+    a row leaving moves the cache to new buffers, and sampling stays that of solo runs."""
+    kw = {"max_context": engine.max_context, "pad_id": 151643}
+    a = SequenceRequest(tuple(PROMPTS[0]), SamplingParams(max_tokens=3), seed=1)
+    b = SequenceRequest(tuple(PROMPTS[2]), SamplingParams(max_tokens=10), seed=2)
+    solo = {t: decode_batch(engine.model, [r], **kw)[0] for t, r in (("a", a), ("b", b))}
+    batch = DecodeBatch(engine.model, **kw)
+    batch.admit([a, b], ["a", "b"])
+
+    def storage() -> list[int]:
+        return [layer.keys.untyped_storage().data_ptr()
+                for layer in batch._cache.layers]  # the buffers are the point
+
+    before = storage()
+    batch.step()
+    assert storage() == before  # appended in place
+    done: dict[str, SequenceResult] = {}
+    while len(batch):
+        batch.step()
+        done.update(dict(batch.pop_finished()))
+        if "a" in done and len(batch):
+            assert storage() != before  # row a left: the cache was re-seated
+    for tag, want in solo.items():
+        assert done[tag].output_ids == want.output_ids
+        np.testing.assert_allclose(done[tag].logprobs, want.logprobs, atol=ATOL, rtol=0)
