@@ -36,5 +36,7 @@ $(VLLM_STAMP): .ci/vllm-venv.sh
 $(MINI_STAMP): .ci/mini-venv.sh
 	bash .ci/mini-venv.sh
 
+# one pytest-xdist worker a core, a test file to a worker (tests/conftest.py shares the
+# cores' threads out); `pytest tests/...` alone runs in one process
 test: lint $(VLLM_STAMP) $(MINI_STAMP)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n auto --dist loadfile

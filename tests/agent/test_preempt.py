@@ -10,11 +10,13 @@ the reference and the resumed runs are built in this process from the same parts
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,22 @@ def test_a_preempted_group_moves_and_resumes_in_the_same_process(
     assert got["verify_ok"] and got["abandoned"] is None
     # nothing generated twice: the engine sampled each recorded call once, in either half
     assert parts.engine.calls == len(reference["calls"]) and generated >= 3
+
+
+def test_pending_counts_the_snapshot_on_disk_not_the_record(tmp_path: Path) -> None:
+    """Killed after a snapshot is written (atomically) and before its record: the record
+    still says 0 snapshots, but the resume restores the tar, so `snapshotted` lists it.
+    A finished episode's leftovers and an episode never snapshotted are not listed."""
+    from tidal.agent.preempt import EpisodeRecord, LiveEpisodes
+
+    with LedgerStore(tmp_path / "ledger.db") as store:
+        live = LiveEpisodes(tmp_path / "live", store, replay=None)
+        key = live.open_group([("t", "s-a"), ("t", "s-b"), ("t", "s-c")])
+        d = tmp_path / "live" / key
+        for sid in ("s-a", "s-b"):
+            (d / f"{sid}.json").write_text(json.dumps(asdict(EpisodeRecord(sid, "t"))))
+        (d / "s-a.tar").write_bytes(b"a snapshot")
+        live.done(key, "s-c", {"reward": 1.0})
+        (group,) = live.pending()
+    assert group.records["s-a"].snapshots == 0  # the record a snapshot short
+    assert group.snapshotted == {"s-a"} and set(group.done) == {"s-c"}

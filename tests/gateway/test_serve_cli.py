@@ -29,7 +29,8 @@ from tidal.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "tests.gateway.worker_engines:scripted"
-runner = CliRunner()
+# wide enough that rich never breaks a long path of a test's tmp_path inside a word
+runner = CliRunner(env={"COLUMNS": "1000"})
 CLI = typer.main.get_command(app)
 
 

@@ -16,7 +16,8 @@ from click.testing import CliRunner, Result
 from tidal.cli import app
 from tidal.ledger import LedgerStore
 
-runner = CliRunner()
+# wide enough that rich never breaks a long path of a test's tmp_path inside a word
+runner = CliRunner(env={"COLUMNS": "1000"})
 CLI = typer.main.get_command(app)
 SMALL = ["--json", "-n", "8", "--slots", "2", "--steps", "2"]
 

