@@ -1,12 +1,17 @@
 """The suite runs on pytest-xdist workers (`make test`: `-n auto --dist loadfile`), each
 given an equal share of the cores: torch's intra-op threads, and those of every process
 a test starts (OMP_NUM_THREADS is inherited), so workers never oversubscribe them.
-Without xdist (`pytest tests/...`), nothing changes."""
+Without xdist (`pytest tests/...`), the threads are left alone.
+
+Every CLI's rich error box is drawn 1000 columns wide (COLUMNS, in this process and the
+ones it starts), so a long tmp_path (xdist's `popen-gw0/...`) is never broken inside a
+word where a test looks for it."""
 
 from __future__ import annotations
 
 import os
 
+os.environ.setdefault("COLUMNS", "1000")
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _workers > 1:
     _share = str(max(1, (os.cpu_count() or 1) // _workers))

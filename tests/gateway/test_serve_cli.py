@@ -29,8 +29,7 @@ from tidal.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "tests.gateway.worker_engines:scripted"
-# wide enough that rich never breaks a long path of a test's tmp_path inside a word
-runner = CliRunner(env={"COLUMNS": "1000"})
+runner = CliRunner()
 CLI = typer.main.get_command(app)
 
 

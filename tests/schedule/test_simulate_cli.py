@@ -16,8 +16,7 @@ from click.testing import CliRunner, Result
 from tidal.cli import app
 from tidal.ledger import LedgerStore
 
-# wide enough that rich never breaks a long path of a test's tmp_path inside a word
-runner = CliRunner(env={"COLUMNS": "1000"})
+runner = CliRunner()
 CLI = typer.main.get_command(app)
 SMALL = ["--json", "-n", "8", "--slots", "2", "--steps", "2"]
 

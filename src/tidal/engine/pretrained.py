@@ -83,7 +83,7 @@ def ensure_pretrained(name: str, root: Path | None = None) -> Path:
     out = (root or default_root()) / name
     spec = PRETRAINED[name]
     stamp = f"{name}\n" if spec.recipe == 1 else f"{name} recipe {spec.recipe}\n"
-    if (out / _DONE).is_file() and (out / _DONE).read_text() == stamp:
+    if _built(out, stamp):
         return out
     try:
         import accelerate  # noqa: F401  (transformers needs it to de-quantise a GGUF)
@@ -96,7 +96,7 @@ def ensure_pretrained(name: str, root: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with (out.parent / f".{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if (out / _DONE).is_file() and (out / _DONE).read_text() == stamp:
+        if _built(out, stamp):
             return out  # another process built it while this one waited
         with tempfile.TemporaryDirectory(prefix=f"tidal-{name}-") as tmp:
             work = Path(tmp)
@@ -108,6 +108,10 @@ def ensure_pretrained(name: str, root: Path | None = None) -> Path:
             _convert(gguf_path, out, spec.dtype, spec.chat_template)
         (out / _DONE).write_text(stamp)
     return out
+
+
+def _built(out: Path, stamp: str) -> bool:
+    return (out / _DONE).is_file() and (out / _DONE).read_text() == stamp
 
 
 def _download(wheels: tuple[str, ...], dest: Path) -> None:
