@@ -25,6 +25,7 @@ from tidal.run.report import render_report
 from tidal.tree import process_store
 
 
+@pytest.mark.slow
 def test_loop_connects_every_piece(tmp_path: Path) -> None:
     out = tmp_path / "run"
     summary = run(parse_config(small_config(rl={"kl_coef": 0.05})), out)
@@ -117,6 +118,7 @@ def test_rl_task_pool_leaves_out_what_the_warm_start_imitated() -> None:
         rl_task_pool(tasks, ids, "undemonstrated")
 
 
+@pytest.mark.slow
 def test_undemonstrated_rl_tasks_are_those_the_warm_start_did_not_imitate(
     tmp_path: Path,
 ) -> None:

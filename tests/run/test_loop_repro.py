@@ -10,6 +10,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.run.loop_runs import (
     REPRO,
     ledger_of,
@@ -22,6 +24,7 @@ from tests.run.loop_runs import (
 from tidal.run.config import parse_config
 
 
+@pytest.mark.slow
 def test_consistent_runs_of_one_seed_match_bit_for_bit(tmp_path: Path) -> None:
     """The resumed run continues its live sessions from their snapshots, so equal ledgers
     say both that a seed fixes every sampled token and that resuming replays none and

@@ -7,11 +7,14 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.run.loop_runs import run_and_kill_mid_step, small_config
 from tidal.ledger import LedgerStore
 from tidal.run.config import parse_config
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_trains_each_session_once(tmp_path: Path) -> None:
     """Elastic on 2 devices, killed mid-step: the sessions live at the kill continue from
     their snapshots (each model call recorded once), every session is trained once, a
