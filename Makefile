@@ -38,8 +38,8 @@ $(MINI_STAMP): .ci/mini-venv.sh | $(STAMP)
 	bash .ci/mini-venv.sh
 
 # two jobs at a time: .venv (.ci/setup) beside .venv-vllm, then .venv-mini and the lint
-# as each finishes (pips and mypy are each mostly one core: 4.1 min instead of 5.7 for
-# the first two on 2 cores). Then pytest, one pytest-xdist worker a core and a test file
+# as each finishes (pips and mypy are each mostly one core: 4.5 min on 2 cores for all
+# four, where the first two alone took 5.7 one after the other). Then pytest, one pytest-xdist worker a core and a test file
 # to a worker, the files of end-to-end tests first (tests/conftest.py: the order, and the
 # cores' threads shared out); `pytest tests/...` alone runs in one process
 test:

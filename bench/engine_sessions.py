@@ -11,12 +11,13 @@ seconds, tokens a second.
 
     .venv/bin/python bench/engine_sessions.py [--model smollm2-135m] [--sessions 16]
 
-Measured on 2 cores (SmolLM2-135M): with the defaults, 18.7 tokens a second (16.9 before
-the KV cache grew in place). With shell-skills' own shapes (`--system 100 --task 50
---turn 60 --max-tokens 48 --calls 3`): 48.3 in lockstep, 36.7 with `--stagger 1` (46
-prefills stall the batch for 14.5 s of 63; a decode step at batch 16 is ~220 ms). A
-shell-skills evaluation in `tidal run` gets ~15 (its sessions, gateway and sandboxes share
-the process and its cores with the engine).
+Measured on 2 cores (SmolLM2-135M). The defaults are shell-skills' shapes (prompts of
+150-550 tokens, ~45 tokens a call): 48.3 tokens a second in lockstep, 36.7 with
+`--stagger 1` (timed separately: 46 prefills stall the batch for 14.5 s of 63; a decode
+step at batch 16 is ~220 ms). Longer histories (`--system 400 --task 150 --turn 80
+--calls 2`): 18.7 (16.9 before the KV cache grew in place). A shell-skills evaluation in
+`tidal run` gets ~15 (its sessions, gateway and sandboxes share the process and its cores
+with the engine).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--concurrent", type=int, default=16)
-    ap.add_argument("--calls", type=int, default=2)
-    ap.add_argument("--system", type=int, default=400)
-    ap.add_argument("--task", type=int, default=150)
-    ap.add_argument("--turn", type=int, default=80)
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--system", type=int, default=100)
+    ap.add_argument("--task", type=int, default=50)
+    ap.add_argument("--turn", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stagger", type=float, default=0.0,
