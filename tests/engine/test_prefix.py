@@ -142,7 +142,19 @@ def test_engine_calls_prefill_only_what_follows_the_last_call(
             batched[mb] = [(p, g.output_ids.tolist(), g.logprobs, int(g.extra["cached_tokens"]))
                            for p, g in zip(prompts, gens, strict=True)]
             stats = eng.prefix_stats
+            metrics, again = eng.metrics(), eng.metrics()
+        every = [c for s in sessions for c in s] + batched[mb]
+        assert metrics["requests"] == 4 * 3 + 3
+        assert metrics["prompt_tokens"] == sum(len(p) for p, *_ in every)
+        assert metrics["cached_tokens"] == sum(c for *_, c in every)
+        assert metrics["generated_tokens"] == sum(len(o) for _, o, *_ in every)
+        assert metrics["prefix_cache_hit_rate"] == pytest.approx(
+            metrics["cached_tokens"] / metrics["prompt_tokens"])
+        assert metrics["busy_s"] == pytest.approx(metrics["prefill_s"] + metrics["decode_s"])
+        assert metrics["decode_steps"] > 0 and 1 <= metrics["mean_batch"] <= 4
+        assert (again["requests"], again["generated_tokens"], again["busy_s"]) == (0, 0, 0.0)
         if mb == 0:
+            assert metrics["cached_tokens"] == 0
             assert stats is None
             continue
         assert [c for *_, c in batched[mb]] == [len(p) - 4 for p in prompts[:2]] + [0]

@@ -78,6 +78,21 @@ def _plain_kv(model: Any) -> bool:
 
 
 @dataclass
+class _Counts:
+    """The worker's counters between two `metrics()` calls."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    prefills: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_s: float = 0.0
+
+
+@dataclass
 class _Pending:
     request: SequenceRequest
     future: Future[tuple[SequenceResult, int, int]]  # result, policy version, batch size
@@ -155,6 +170,9 @@ class EmbeddedEngine:
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._closed = False
         self._submit_lock = threading.Lock()
+        self._counts = _Counts()
+        self._evicted_seen = 0
+        self._counts_lock = threading.Lock()
         self._worker = threading.Thread(target=self._serve, name="tidal-engine", daemon=True)
         self._worker.start()
 
@@ -190,6 +208,33 @@ class EmbeddedEngine:
         """The prefix cache's counters (lookups, hits, tokens reused, entries, bytes);
         None when it is off (`prefix_cache_mb=0`, or a model with sliding-window layers)."""
         return self._prefix.stats if self._prefix is not None else None
+
+    def metrics(self) -> dict[str, Any]:
+        """What the engine did since the last call (the run logs it per step and per
+        evaluation): requests, prompt tokens and how many of them the prefix cache served
+        (`prefix_cache_hit_rate`), generated tokens, the worker's busy seconds split into
+        prefills (admitting calls) and decode steps, the mean live batch of a decode step,
+        `tokens_per_s` of busy time, and prefix-cache evictions."""
+        with self._counts_lock:
+            c, self._counts = self._counts, _Counts()
+        evicted = self._prefix.stats.evicted if self._prefix is not None else 0
+        c_evicted, self._evicted_seen = evicted - self._evicted_seen, evicted
+        busy = c.prefill_s + c.decode_s
+        return {
+            "requests": c.requests,
+            "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": c.cached_tokens,
+            "prefix_cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "generated_tokens": c.generated,
+            "busy_s": busy,
+            "prefill_s": c.prefill_s,
+            "prefills": c.prefills,
+            "decode_s": c.decode_s,
+            "decode_steps": c.decode_steps,
+            "mean_batch": c.decode_rows / c.decode_steps if c.decode_steps else 0.0,
+            "tokens_per_s": c.generated / busy if busy else 0.0,
+            "prefix_cache_evicted": c_evicted,
+        }
 
     def generate(
         self, prompts: Sequence[Sequence[int] | npt.NDArray[np.int32]], params: SamplingParams,
@@ -386,16 +431,19 @@ class EmbeddedEngine:
         try:
             while True:
                 self._admit(batch, items)
-                for pending, res in batch.pop_finished():
-                    pending.future.set_result((res, pending.version, pending.batch_size))
+                self._finish(batch.pop_finished())
                 if not len(batch):
                     break
+                t0, rows = time.perf_counter(), len(batch)
                 batch.step()
+                with self._counts_lock:
+                    self._counts.decode_s += time.perf_counter() - t0
+                    self._counts.decode_steps += 1
+                    self._counts.decode_rows += rows
                 items = []
                 if not closing and not self._update_waiting.is_set() and batch.can_merge:
                     items, closing = self._collect(self._max_batch - len(batch), 0.0)
-                for pending, res in batch.pop_finished():
-                    pending.future.set_result((res, pending.version, pending.batch_size))
+                self._finish(batch.pop_finished())
         except Exception as e:  # surface model errors to every caller in the batch
             err = EngineError(f"generation failed: {type(e).__name__}: {e}")
             err.__cause__ = e
@@ -413,6 +461,21 @@ class EmbeddedEngine:
         for p in live:
             p.version = self._version
         size = len(batch) + len(live)
+        t0 = time.perf_counter()
         batch.admit([p.request for p in live], live)
+        with self._counts_lock:
+            self._counts.prefill_s += time.perf_counter() - t0
+            self._counts.prefills += 1
+            self._counts.requests += len(live)
+            self._counts.prompt_tokens += sum(len(p.request.prompt) for p in live)
         for p in live:
             p.batch_size = size
+
+    def _finish(self, done: list[tuple[_Pending, SequenceResult]]) -> None:
+        """Hand finished sequences back to their callers."""
+        if done:
+            with self._counts_lock:
+                self._counts.generated += sum(len(res.output_ids) for _, res in done)
+                self._counts.cached_tokens += sum(res.cached_tokens for _, res in done)
+        for pending, res in done:
+            pending.future.set_result((res, pending.version, pending.batch_size))

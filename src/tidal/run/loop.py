@@ -144,7 +144,9 @@ class Parts:
                           "grader_errors": _grader_errors(eps),
                           "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
                           "seconds": time.perf_counter() - t0,
-                          "policy_version": self.engine.policy_version})
+                          "policy_version": self.engine.policy_version,
+                          # since the last step's row: this evaluation's calls
+                          "engine": self.engine_metrics()})
         return rate
 
     def close(self) -> None:
