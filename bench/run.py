@@ -12,7 +12,7 @@ start varies by several points), hence the seeds.
     .venv/bin/python bench/run.py --seeds 0 1 2 [--config C.toml] [--out runs/bench] [--reuse]
 
 Each seed takes the run's own time (~10-13 minutes on a 2-core machine for the default
-config, ~30 for examples/laptop-real.toml). `--reuse` reads a seed's finished run
+config, ~30 for configs/laptop-real.toml). `--reuse` reads a seed's finished run
 directory (its summary.json) instead of running it again. Per seed it also reports the
 held-out success per task family at the start and the end (`families_*`: shell-skills'
 skills), the training success per RL step and where the minutes went (`phase_minutes`).

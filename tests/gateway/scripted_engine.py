@@ -90,5 +90,14 @@ class ScriptedEngine:
             )
         return out
 
+    def forget(self, session: str) -> None:
+        pass
+
+    def metrics(self) -> dict[str, Any]:
+        return {"calls": len(self.prompts)}
+
+    def close(self) -> None:
+        pass
+
     def update_weights(self, source: Weights | str | Path, version: int) -> None:
         self._version = version

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import annotated_types
+import tomli_w
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -37,7 +38,6 @@ from tidal.run.config import (
     RunConfig,
     dump_config,
     load_config,
-    toml_string,
 )
 
 DOOR = "config"
@@ -66,40 +66,9 @@ VALUES = st.recursive(
 )
 
 
-# ------------------------------------------------------------------ TOML, written here
-
-
-def toml_key(k: str) -> str:
-    bare = k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k)
-    return k if bare else toml_string(k)
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return {"inf": "inf", "-inf": "-inf", "nan": "nan"}.get(repr(v), repr(v))
-    if isinstance(v, dt.datetime | dt.date):
-        return v.isoformat()
-    if isinstance(v, str):
-        return toml_string(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    assert isinstance(v, dict), v
-    return "{" + ", ".join(f"{toml_key(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
-
-
 def toml_text(data: dict[str, Any]) -> str:
-    """Top-level values first, then one [table] per dict."""
-    lines = [f"{toml_key(k)} = {toml_value(v)}" for k, v in data.items()
-             if not isinstance(v, dict)]
-    for k, v in data.items():
-        if isinstance(v, dict):
-            lines.append(f"[{toml_key(k)}]")
-            lines += [f"{toml_key(kk)} = {toml_value(vv)}" for kk, vv in v.items()]
-    return "\n".join(lines) + "\n"
+    """The data as TOML (tomli-w: top-level values first, then a [table] per dict)."""
+    return tomli_w.dumps(data)
 
 
 # ------------------------------------------------------------------ the config's fields

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from tidal.agent.endpoint import API_KEY_PLACEHOLDER
 from tidal.agent.episode import EpisodeContext, HarnessResult
@@ -66,9 +65,6 @@ class CommandHarness:
     command: str
     env: Mapping[str, str] = field(default_factory=dict)
     log_bytes: int = 65536
-    # its tools run inside the sandbox, not through the runtime: a resumed episode starts
-    # in a fresh sandbox (tidal.agent.preempt)
-    tools_through_runtime: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not self.command.strip():

@@ -24,9 +24,9 @@ run, what it takes to continue it elsewhere, and resumes it:
 This is exact for harnesses that are deterministic given the same model answers and
 operation results and whose tools all act through `ctx.runtime`: the built-in harness,
 `module:attr` function harnesses, mini-swe-agent on `tidal.agent.minisweagent`. A
-harness that runs inside the sandbox (`CommandHarness`: `tools_through_runtime =
-False`) cannot be fast-forwarded without its process memory (no CRIU on this kernel):
-its episode resumes in a fresh sandbox, its commands run again from the start, and its
+harness that runs inside the sandbox (`CommandHarness`; `Rollouts` takes no snapshots
+between its tool calls) cannot be fast-forwarded without its process memory (no CRIU on
+this kernel): its episode resumes in a fresh sandbox, its commands run again from the start, and its
 model calls are replayed for as long as its prompts match the recorded ones.
 """
 

@@ -211,9 +211,23 @@ class Engine(Protocol):
     ) -> list[Generation]:
         """Sample one continuation per prompt (a batch; may be of size 1). Thread-safe.
 
-        `session` names the agent session the prompts belong to (the gateway passes it to
-        engines whose `generate` accepts it): a pool of servers keeps a session on one
-        server, whose prefix cache holds its history. Sampling does not depend on it."""
+        `session` names the agent session the prompts belong to (the gateway always
+        passes it): a pool of servers keeps a session on one server, whose prefix cache
+        holds its history. Sampling does not depend on it."""
+        ...
+
+    def forget(self, session: str) -> None:
+        """The session ended (the gateway's `on_forget`): drop what routing kept for it
+        (a pool of servers pins each session to one). A no-op for a single engine."""
+        ...
+
+    def metrics(self) -> dict[str, Any]:
+        """What the engine did since the last call, as flat JSON values (a run logs them
+        in each step's row); {} when it measures nothing."""
+        ...
+
+    def close(self) -> None:
+        """Stop serving; what it started (threads, servers) stops too."""
         ...
 
     def update_weights(self, source: Weights | str | Path, version: int) -> None:

@@ -341,6 +341,9 @@ class EmbeddedEngine:
             finally:
                 self._update_waiting.clear()
 
+    def forget(self, session: str) -> None:
+        """Sessions share one prefix cache, which evicts by recency: nothing to drop."""
+
     def close(self) -> None:
         """Stop the worker thread once queued requests are served."""
         with self._submit_lock:

@@ -224,6 +224,13 @@ class VLLMEngine:
             finally:
                 self._post("/resume", what="resume generation")
 
+    def forget(self, session: str) -> None:
+        """One server keeps no per-session state here (`ServerPool.forget` routes)."""
+
+    def metrics(self) -> dict[str, Any]:
+        """One client measures nothing (`ServerPool.metrics` reports its servers)."""
+        return {}
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._http.close()

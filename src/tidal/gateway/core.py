@@ -36,7 +36,6 @@ taken from each generation.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import random
 import re
 import threading
@@ -44,28 +43,28 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
-from tidal.gateway.drift import RecordedToolCall
+from tidal.gateway.drift import DriftRecord, RecordedToolCall
 from tidal.gateway.family import ChatFamily, GatewayError, detect_family
-from tidal.gateway.messages import (
-    RequestError,
-    messages_text,
-    parse_message,
-    parse_messages,
-    parse_tools,
-    shown,
+from tidal.gateway.messages import RequestError, messages_text, shown
+from tidal.gateway.record import (
+    Turn,
+    call_metadata,
+    chat_call,
+    sampling_record,
+    shape_output,
 )
 from tidal.gateway.render import Renderer
 from tidal.gateway.replay import Replay, ReplayStatus
-from tidal.gateway.tito import RecordedTurn, SessionTurns, assemble_prompt, turn_key
+from tidal.gateway.request import ChatRequest, parse_request
+from tidal.gateway.sessions import Sessions, check_session_row
+from tidal.gateway.tito import PromptPlan, RecordedTurn, SessionTurns, assemble_prompt, turn_key
 from tidal.gateway.toolcalls import (
-    ParsedOutput,
     ToolParser,
     ToolSet,
     parse_output,
@@ -271,18 +270,6 @@ def check_stream_options(body: Mapping[str, Any]) -> None:
         )
 
 
-def sampling_record(params: SamplingParams) -> dict[str, Any]:
-    """The sampling parameters as the ledger keeps them (one layout for every endpoint)."""
-    return {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "seed": params.seed,
-        "stop_token_ids": list(params.stop_token_ids),
-    }
-
-
 class Gateway:
     """Serves OpenAI-style requests from an `Engine`, recording every call in a ledger."""
 
@@ -313,7 +300,6 @@ class Gateway:
         self.engine = engine
         self.seed = seed
         self.seed_key = seed_key or (lambda session_id: session_id)
-        self._engine_takes_session = "session" in inspect.signature(engine.generate).parameters
         self.store = store
         template = getattr(tokenizer, "chat_template", None)
         self.family = family or detect_family(template)
@@ -325,10 +311,7 @@ class Gateway:
         self.model_names = (engine.model_name, *model_aliases)
         self.default_max_tokens = default_max_tokens
         self._lock = threading.Lock()
-        self._sessions: dict[str, SessionTurns] = {}
-        self._tool_owner: dict[str, str] = {}  # tool-call id -> session
-        self._key_owner: dict[str, str] = {}  # turn key -> session
-        self._call_owner: dict[str, str] = {}  # call id -> session
+        self.sessions = Sessions(store, self._load_turns)
         self._token_text: dict[int, str] = {}
         self._replays: dict[str, Replay] = {}  # resumed sessions: recorded calls to serve
         # what an API keeps per session beyond the turns (held responses) drops with them
@@ -343,19 +326,15 @@ class Gateway:
     @property
     def live_sessions(self) -> int:
         """Sessions whose turns this gateway keeps in memory (until `forget_session`)."""
-        with self._lock:
-            return len(self._sessions)
+        return len(self.sessions)
 
     def forget_session(self, session_id: str) -> bool:
         """Drop a finished session's in-memory turns (the ledger keeps everything). Later
         requests of that session are then served without token-in-token-out for the
         turns before it. Returns whether the session was known."""
+        known = self.sessions.forget(session_id)
         with self._lock:
-            known = self._sessions.pop(session_id, None) is not None
             self._replays.pop(session_id, None)
-            for index in (self._tool_owner, self._key_owner, self._call_owner):
-                for k in [k for k, v in index.items() if v == session_id]:
-                    del index[k]
         for hook in self.on_forget:
             hook(session_id)
         return known
@@ -456,26 +435,6 @@ class Gateway:
         except EngineError as e:
             raise RequestError(str(e), param="sampling") from e
 
-    def _session_for(self, route: Route, keys: list[str], tool_ids: list[str]) -> str:
-        if route.session_id is not None:
-            return route.session_id
-        with self._lock:
-            for t in tool_ids:
-                if t in self._tool_owner:
-                    return self._tool_owner[t]
-            for k in keys:
-                if k in self._key_owner:
-                    return self._key_owner[k]
-        return f"auto-{uuid.uuid4().hex[:16]}"
-
-    def _turns(self, session_id: str) -> SessionTurns:
-        with self._lock:
-            t = self._sessions.get(session_id)
-            if t is None:
-                t = self._sessions[session_id] = SessionTurns()
-        t.load_once(partial(self._load_turns, session_id))
-        return t
-
     def _load_turns(self, session_id: str, turns: SessionTurns) -> None:
         """Rebuild a session this process does not hold from the ledger (a restarted
         gateway, another worker's session, one forgotten): every chat turn recorded with
@@ -488,12 +447,12 @@ class Gateway:
         if log.calls:
             first = log.calls[0].call
             turns.note_row(first.task_id, first.parent_session_id)
-        owners = {}
+        owners = []
         for sc in log.calls:
             c = sc.call
             meta = c.metadata or {}
             turns.note_stored(d for d in meta.get("drift") or [] if isinstance(d, Mapping))
-            owners[c.call_id] = session_id
+            owners.append(c.call_id)
             t = meta.get("turn")
             if not isinstance(t, Mapping):
                 continue  # /v1/completions, or a ledger written before turns were kept
@@ -511,51 +470,7 @@ class Gateway:
                     ),
                 )
             )
-        with self._lock:
-            self._call_owner.update(owners)
-
-    def _check_session_row(
-        self, turns: SessionTurns, session_id: str, task_id: str | None, parent_session: str | None
-    ) -> None:
-        """Refuse, before generating, a call whose task (or parent session) differs from
-        its session's: the ledger binds a session to its first call's (409)."""
-        row = turns.row
-        if row is None:
-            return
-        for label, asked, kept, code in (
-            ("task", task_id, row[0], "task_conflict"),
-            ("parent session", parent_session, row[1], "parent_session_conflict"),
-        ):
-            if asked is not None and kept is not None and asked != kept:
-                raise RequestError(
-                    f"session {shown(session_id)} belongs to {label} {shown(kept)}, not "
-                    f"{shown(asked)}: a session keeps the {label} of its first call; start "
-                    f"a new session for another {label}",
-                    param="task_id" if label == "task" else "parent_session_id",
-                    code=code,
-                    status=409,
-                )
-
-    def _parent(self, route: Route, session_id: str) -> tuple[str | None, str | None]:
-        pc = route.parent_call_id
-        if pc is None:
-            return None, route.parent_session_id
-        with self._lock:
-            psid = route.parent_session_id or self._call_owner.get(pc)
-        if psid is None:
-            psid = self.store.session_of_call(pc)  # written before a restart, or elsewhere
-        if psid is None or (psid not in self._sessions and pc not in self.store.call_log(psid)):
-            raise RequestError(
-                f"parent call {shown(pc)} is not a call this gateway recorded; name its session "
-                "with X-Tidal-Parent-Session if another process wrote it",
-                param="parent_call_id",
-                code="invalid_parent_call_id",
-            )
-        if psid == session_id:
-            # a link inside one session: the first call of a fresh context after a
-            # compaction follows its summary call (the ledger keeps parent_session_id null)
-            return pc, None
-        return pc, psid
+        self.sessions.own_calls(session_id, owners)
 
     def token_texts(self, ids: np.ndarray) -> tuple[str, ...]:
         out = []
@@ -593,8 +508,7 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             # the session id lets a pool of servers keep a session on one (its prefix cache)
-            gen = (self.engine.generate([prompt], params, session=session_id)
-                   if self._engine_takes_session else self.engine.generate([prompt], params))[0]
+            gen = self.engine.generate([prompt], params, session=session_id)[0]
         except EngineError as e:
             raise RequestError(
                 f"the engine refused the request: {e}", param=None, code="engine_error"
@@ -615,66 +529,19 @@ class Gateway:
 
     # ---------------------------------------------------------------- chat
     def call(self, req: ChatCall, route: Route) -> ChatTurn:
-        """Validate, assemble, generate, record and remember one chat turn (any API)."""
-        t_start = time.perf_counter()
-        started = time.time()
+        """One chat turn (any API): parse the request, find its session, assemble the
+        prompt token-in-token-out, generate (or replay a resumed session's recorded call),
+        then record the call and remember the turn."""
+        t_start, started = time.perf_counter(), time.time()
         route.validate()
-        raw = req.messages
-        text = messages_text(raw)
-        base = None
-        if text is not None and route.session_id is not None:
-            with self._lock:
-                kept = self._sessions.get(route.session_id)
-            base = kept.seen_prefix(text) if kept is not None else None
-        if base is not None and isinstance(raw, list):  # parse only the new messages
-            messages = [
-                *base.messages,
-                *(parse_message(raw[i], i) for i in range(len(base.messages), len(raw))),
-            ]
-        else:
-            messages = parse_messages(raw)
-        tools = parse_tools(req.tools)
-        tool_choice = req.tool_choice if req.tool_choice is not None else (
-            "auto" if tools else "none"
-        )
-        names = frozenset(t["function"]["name"] for t in tools or [])
-        if isinstance(tool_choice, Mapping):
-            fn = tool_choice.get("function")
-            if not isinstance(fn, Mapping) or fn.get("name") not in names:
-                raise RequestError(
-                    "tool_choice names a function that is not in tools",
-                    param="tool_choice",
-                    code="invalid_tool_schema",
-                )
-        elif tool_choice not in ("none", "auto", "required"):
-            raise RequestError(
-                f"tool_choice must be none, auto, required or a function, got "
-                f"{shown(tool_choice)}",
-                param="tool_choice",
-            )
-        if req.top_logprobs and not req.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        auto = route.session_id is None
-        keys = (
-            [
-                turn_key(m.content, [(c.name, c.arguments) for c in m.tool_calls])
-                for m in messages
-                if m.role == "assistant"
-            ]
-            if auto
-            else []
-        )
-        tool_ids = [c.id for m in messages for c in m.tool_calls if c.id] if auto else []
-        session_id = self._session_for(route, keys, tool_ids)
-        parent_call, parent_session = self._parent(route, session_id)
-        turns = self._turns(session_id)
-        self._check_session_row(turns, session_id, route.task_id, parent_session)
-        if base is None and text is not None:
-            base = turns.seen_prefix(text)
-        try:
-            plan = assemble_prompt(messages, tools, turns, self.renderer, text=text, base=base)
-        except GatewayError as e:
-            raise RequestError(str(e), param="messages", code="template_error") from e
+        request = self._parse(req, route)
+        auto = route.session_id is None  # an automatic session is found by content
+        session_id = route.session_id or self.sessions.find(*request.routing())
+        parent_call, parent_session = self.sessions.parent(
+            route.parent_call_id, route.parent_session_id, session_id)
+        turns = self.sessions.turns(session_id)
+        check_session_row(turns, session_id, route.task_id, parent_session)
+        plan = self._assemble(request, turns)
         n_prompt = int(plan.prompt_ids.shape[0])
         params = self._sampling(req.sampling, n_prompt, req.top_logprobs, req.stop)
         replayed = self._replayed(session_id, plan.prompt_ids, t_start=t_start, started=started,
@@ -684,116 +551,72 @@ class Gateway:
             return replayed
         params, ids_rng = self._seeded(params, turns, session_id)
         gen, engine_s = self._generate(plan.prompt_ids, params, session_id)
-
-        out_ids, logprobs = gen.output_ids, gen.logprobs
-        ends_stop = (
-            gen.finish_reason == "stop"
-            and out_ids.size > 0
-            and int(out_ids[-1]) in params.stop_token_ids
-        )
-        visible = out_ids[:-1] if ends_stop else out_ids
-        out_text = self.renderer.decode(visible.tolist())
-        stop_sequence = None
-        finish = gen.finish_reason
-        if req.stop:
-            cut = self._cut_at_stop(visible, out_text, req.stop)
-            if cut is not None:
-                n_keep, out_text, stop_sequence = cut
-                out_ids, logprobs = out_ids[:n_keep], logprobs[:n_keep]
-                finish = "stop"
-        offered = ToolSet.of(tools) if tools and tool_choice != "none" else None
-        parsed: ParsedOutput = parse_output(
-            out_text, self.tool_parsers, offered, lenient=self.lenient_tool_parsing
-        )
-        call_id = f"call-{uuid.uuid4().hex[:20]}"
-        tc_list = tuple(
+        out = shape_output(gen, params.stop_token_ids, req.stop, self.renderer.decode)
+        offered = (ToolSet.of(request.tools) if request.tools and request.tool_choice != "none"
+                   else None)
+        parsed = parse_output(out.text, self.tool_parsers, offered,
+                              lenient=self.lenient_tool_parsing)
+        turn = Turn(session_id, f"call-{uuid.uuid4().hex[:20]}",
+                    route.role or ("subagent" if parent_session else "main"), parent_call,
+                    parent_session, route.task_id, started, max(time.time(), started))
+        tool_calls = tuple(
             RecordedToolCall(f"{req.tool_id_prefix}{_hex24(ids_rng)}", t.name, t.arguments)
-            for t in parsed.tool_calls
-        )
-        if tc_list:
-            finish = "tool_calls"
-        role = route.role or ("subagent" if parent_session else "main")
+            for t in parsed.tool_calls)
         new_drift = turns.unstored_drift(plan.drift)
-        meta = plan.metadata(new_drift)
-        meta["request"] = {
-            "endpoint": req.endpoint,
-            "n_messages": len(messages),
-            "tools": sorted(names),
-            "tool_choice": tool_choice if isinstance(tool_choice, str) else dict(tool_choice),
-        }
-        meta["tool_call_formats"] = sorted({t.format for t in parsed.tool_calls})
-        if parsed.unparsed is not None:
-            meta["tool_parse"] = {"status": "unparsed", "reason": parsed.unparsed}
-        # what a restarted gateway needs to rebuild this turn (`_load_turns`); the content
-        # only when it is not the output's text (tool calls taken out, a stop string cut)
-        meta["turn"] = {"position": len(messages), "history": plan.prefix_fp.hex()}
-        if parsed.content != (out_text or None) or stop_sequence is not None:
-            meta["turn"]["content"] = parsed.content
-        if stop_sequence is not None:
-            meta["stop_sequence"] = stop_sequence
-        meta.update(req.metadata)
-        call = Call(
-            session_id=session_id,
-            call_id=call_id,
-            role=role,
-            prompt_ids=plan.prompt_ids,
-            output_ids=out_ids,
-            output_logprobs=logprobs,
-            output_text=self.renderer.decode(out_ids.tolist()),
-            policy_version=int(gen.policy_version),
-            finish_reason=gen.finish_reason if stop_sequence is None else "stop",
-            started_at=started,
-            ended_at=max(time.time(), started),
-            raw_tool_calls=parsed.raw_tool_calls,
-            tool_calls=[{"id": t.id, "name": t.name, "arguments": t.arguments} for t in tc_list]
-            or None,
-            parent_call_id=parent_call,
-            parent_session_id=parent_session,
-            task_id=route.task_id,
-            sampling=sampling_record(params),
-            metadata=meta,
-        )
-        self._commit(call, plan.base_hint)
-        turns.note_row(call.task_id, call.parent_session_id)
-        turns.note_stored_drift(new_drift)
-        turns.add(
-            RecordedTurn(
-                call_id,
-                len(messages),
-                plan.prefix_fp,
-                n_prompt,
-                out_ids,
-                parsed.content,
-                tc_list,
-            )
-        )
-        with self._lock:
-            self._call_owner[call_id] = session_id
-            if auto:  # only automatic sessions are found by content
-                for t in tc_list:
-                    self._tool_owner[t.id] = session_id
-                key = turn_key(parsed.content, [(t.name, t.arguments) for t in tc_list])
-                self._key_owner[key] = session_id
+        meta = call_metadata(request, plan, new_drift, out, parsed, endpoint=req.endpoint,
+                             extra=req.metadata)
+        self._commit(chat_call(turn, plan, gen, out, parsed=parsed, tool_calls=tool_calls,
+                               sampling=sampling_record(params), metadata=meta,
+                               decode=self.renderer.decode), plan.base_hint)
+        self._remember(turns, turn, RecordedTurn(
+            turn.call_id, len(request.messages), plan.prefix_fp, n_prompt, out.ids,
+            parsed.content, tool_calls), new_drift, auto=auto)
         want_texts = req.logprobs or req.want_texts
         return ChatTurn(
-            session_id=session_id,
-            call_id=call_id,
-            gen=gen,
-            output_ids=out_ids,
-            logprobs=logprobs,
-            content=parsed.content,
-            tool_calls=tc_list,
-            finish=finish,
-            stop_sequence=stop_sequence,
-            n_prompt=n_prompt,
-            drift=len(plan.drift),
-            started=started,
-            engine_s=engine_s,
-            t_start=t_start,
-            texts=self.token_texts(out_ids) if want_texts else (),
-            tops=self._tops(gen)[: int(out_ids.shape[0])] if req.logprobs else None,
+            session_id=session_id, call_id=turn.call_id, gen=gen, output_ids=out.ids,
+            logprobs=out.logprobs, content=parsed.content, tool_calls=tool_calls,
+            finish="tool_calls" if tool_calls else out.finish,
+            stop_sequence=out.stop_sequence, n_prompt=n_prompt, drift=len(plan.drift),
+            started=started, engine_s=engine_s, t_start=t_start,
+            texts=self.token_texts(out.ids) if want_texts else (),
+            tops=self._tops(gen)[: int(out.ids.shape[0])] if req.logprobs else None,
             unparsed=parsed.unparsed,
         )
+
+    def _parse(self, req: ChatCall, route: Route) -> ChatRequest:
+        """The request validated; a session this process holds parses only the messages
+        after its last request's."""
+        text = messages_text(req.messages)
+        base = None
+        if text is not None and route.session_id is not None:
+            kept = self.sessions.kept(route.session_id)
+            base = kept.seen_prefix(text) if kept is not None else None
+        return parse_request(req.messages, req.tools, req.tool_choice, text=text, base=base,
+                             logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+
+    def _assemble(self, request: ChatRequest, turns: SessionTurns) -> PromptPlan:
+        """The prompt's token ids, the recorded turns spliced back (`tidal.gateway.tito`)."""
+        base = request.base
+        if base is None and request.text is not None:
+            base = turns.seen_prefix(request.text)
+        try:
+            return assemble_prompt(request.messages, request.tools, turns, self.renderer,
+                                   text=request.text, base=base)
+        except GatewayError as e:
+            raise RequestError(str(e), param="messages", code="template_error") from e
+
+    def _remember(self, turns: SessionTurns, turn: Turn, recorded: RecordedTurn,
+                  new_drift: Sequence[DriftRecord], *, auto: bool) -> None:
+        """The recorded turn, kept for the session's next request (token-in-token-out);
+        an automatic session is found again by its tool-call ids and the turn's key."""
+        turns.note_row(turn.task_id, turn.parent_session)
+        turns.note_stored_drift(new_drift)
+        turns.add(recorded)
+        calls = recorded.tool_calls
+        key = turn_key(recorded.content, [(t.name, t.arguments) for t in calls])
+        self.sessions.remember(turn.session_id, turn.call_id,
+                               tool_ids=[t.id for t in calls] if auto else (),
+                               key=key if auto else None)
 
     def visible_text(self, out_ids: npt.NDArray[np.int32]) -> str | None:
         """The text of an output without its final stop token (what a turn returned when
@@ -802,25 +625,6 @@ class Gateway:
         if ids and ids[-1] in self.renderer.stop_ids:
             ids = ids[:-1]
         return self.renderer.decode(ids) or None
-
-    def _cut_at_stop(
-        self, visible: npt.NDArray[np.int32], text: str, stops: tuple[str, ...]
-    ) -> tuple[int, str, str] | None:
-        """Where the first stop string ends the output: (tokens kept, the text before the
-        stop string, the stop string), or None. The tokens kept are the fewest whose text
-        holds the whole stop string: what was sampled up to there, exactly."""
-        hits = [(text.find(s), s) for s in stops if s and s in text]
-        if not hits:
-            return None
-        pos, stop = min(hits)
-        lo, hi = 1, int(visible.shape[0])
-        while lo < hi:  # fewest tokens whose decoded text contains text[: pos + len(stop)]
-            mid = (lo + hi) // 2
-            if len(self.renderer.decode(visible[:mid].tolist())) >= pos + len(stop):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo, text[:pos], stop
 
     def chat(self, body: Mapping[str, Any], route: Route) -> Answer:
         """OpenAI Chat Completions."""
@@ -892,9 +696,10 @@ class Gateway:
             )
         lp = int_field(body, "logprobs", None, 0)
         session_id = route.session_id or f"auto-{uuid.uuid4().hex[:16]}"
-        parent_call, parent_session = self._parent(route, session_id)
-        turns = self._turns(session_id)
-        self._check_session_row(turns, session_id, route.task_id, parent_session)
+        parent_call, parent_session = self.sessions.parent(
+            route.parent_call_id, route.parent_session_id, session_id)
+        turns = self.sessions.turns(session_id)
+        check_session_row(turns, session_id, route.task_id, parent_session)
         params = self._sampling(body, int(ids.shape[0]), lp or 0)
         params, _ = self._seeded(params, turns, session_id)
         gen, engine_s = self._generate(ids, params, session_id)
@@ -921,8 +726,7 @@ class Gateway:
         )
         self._commit(call, None)
         turns.note_row(call.task_id, call.parent_session_id)
-        with self._lock:
-            self._call_owner[call_id] = session_id
+        self.sessions.remember(session_id, call_id)
         texts = self.token_texts(out_ids)
         logprobs = None
         if lp is not None:

@@ -327,7 +327,8 @@ def _still_matches(base: Seen, turns: SessionTurns, messages: Sequence[Message])
     return True
 
 
-def assemble_prompt(
+# long by design: one pass of the splicing algorithm (docs/gateway.md), its steps sharing locals
+def assemble_prompt(  # noqa: PLR0915
     messages: Sequence[Message],
     tools: list[dict[str, Any]] | None,
     turns: SessionTurns,

@@ -155,6 +155,9 @@ def _call_hash(header: str, suffix: bytes, output: bytes, logprobs: bytes) -> st
 # ------------------------------------------------------------------ prefix arithmetic
 
 
+_IN_CHUNK = 500  # ids per `IN (...)` query (SQLite allows 999 parameters before 3.32)
+
+
 class _Tape:
     """A growable token buffer shared by cached contexts: each context is a prefix
     `ids[:n]` of one tape. Only positions at or past `used` are ever written, so every
@@ -317,6 +320,7 @@ class LedgerStore:
         self._db = self._open_readonly() if readonly else self._open_writable()
         self._lock = threading.RLock()
         self._sessions: OrderedDict[str, _SessionState] = OrderedDict()
+        self.rows_read = 0  # call and outcome rows read back so far (`tidal run`'s step rows)
 
     def _connect(self, query: str) -> sqlite3.Connection:
         uri = f"{self.path.absolute().as_uri()}?{query}"
@@ -509,7 +513,8 @@ class LedgerStore:
             return None
         return _extend(None, 0, self.call_log(session_id).context_ids(call_id))
 
-    def _insert_call(self, call: Call, hint: str | None) -> StoredCall:
+    # long by design: one SQLite transaction: the checks, prefix search and inserts stay inside it
+    def _insert_call(self, call: Call, hint: str | None) -> StoredCall:  # noqa: PLR0915
         db = self._db
         where = f"call {call.call_id!r} of session {call.session_id!r}"
         self._check_parent(call, where)
@@ -731,6 +736,7 @@ class LedgerStore:
                 f"SELECT {self._CALL_COLS} FROM calls WHERE session_id=? ORDER BY seq",
                 (session_id,),
             ).fetchall()
+            self.rows_read += len(rows)
         return CallLog(session_id, [self._row_to_stored(r) for r in rows])
 
     def iter_calls(self) -> Iterator[StoredCall]:
@@ -753,11 +759,25 @@ class LedgerStore:
             row = self._db.execute(
                 "SELECT body FROM outcomes WHERE session_id=?", (session_id,)
             ).fetchone()
+            self.rows_read += row is not None
         return _outcome_from_body(row[0]) if row else None
 
-    def outcomes(self) -> dict[str, Outcome]:
-        with self._lock:
-            rows = self._db.execute("SELECT body FROM outcomes ORDER BY seq").fetchall()
+    def outcomes(self, session_ids: Iterable[str] | None = None) -> dict[str, Outcome]:
+        """Every outcome by session, in commit order; with `session_ids`, only theirs (a
+        read that costs what those sessions hold, not what the ledger does)."""
+        if session_ids is None:
+            with self._lock:
+                rows = self._db.execute("SELECT body FROM outcomes ORDER BY seq").fetchall()
+        else:
+            ids, rows = list(dict.fromkeys(session_ids)), []
+            with self._lock:
+                for i in range(0, len(ids), _IN_CHUNK):
+                    chunk = ids[i:i + _IN_CHUNK]
+                    rows += self._db.execute(
+                        "SELECT seq, body FROM outcomes WHERE session_id IN "
+                        f"({','.join('?' * len(chunk))})", chunk).fetchall()
+            rows = [(body,) for _seq, body in sorted(rows)]
+        self.rows_read += len(rows)
         out = [_outcome_from_body(r[0]) for r in rows]
         return {o.session_id: o for o in out}
 
@@ -784,7 +804,8 @@ class LedgerStore:
             return int(self._db.execute("SELECT COUNT(*) FROM calls").fetchone()[0])
 
     # ------------------------------------------------------------------ integrity
-    def check(self) -> list[str]:
+    # long by design: one pass over the store's tables under one lock
+    def check(self) -> list[str]:  # noqa: PLR0915
         """Re-verify every hash, chain link and prefix reference. Returns the problems
         found (empty when the store is sound), each naming its record."""
         problems: list[str] = []

@@ -39,6 +39,7 @@ from tidal.agent.episode import FunctionHarness, Harness
 from tidal.agent.harbor import GENERATED_SETS, HARBOR_SETS, load_split, load_tasks
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import TASK_SETS, Task, TaskError, TaskSet, load_taskset
+from tidal.engine.base import Engine
 from tidal.sandbox import SandboxConfig
 
 if TYPE_CHECKING:
@@ -266,7 +267,7 @@ def check_engine(cfg: RunConfig) -> None:
 
 
 def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_version: int,
-                model_name: str, tokenizer_dir: Path, run_dir: Path) -> Any:
+                model_name: str, tokenizer_dir: Path, run_dir: Path) -> Engine:
     """The engine `tidal run` samples with. vLLM servers are started (or attached to) and
     checked here, before anything else runs: an error names the key."""
     if cfg.engine.kind == "vllm":
@@ -298,9 +299,17 @@ def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_versio
                               model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
                               prefix_cache_mb=cfg.rollout.prefix_cache_mb)
     factory = load_attr(cfg.engine.kind, "engine.kind")
-    return factory(weights_dir, device=device, policy_version=policy_version,
-                   model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
-                   prefix_cache_mb=cfg.rollout.prefix_cache_mb)
+    engine = factory(weights_dir, device=device, policy_version=policy_version,
+                     model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
+                     prefix_cache_mb=cfg.rollout.prefix_cache_mb)
+    if not isinstance(engine, Engine):
+        missing = [m for m in ("model_name", "policy_version", "max_context", "generate",
+                               "forget", "metrics", "close", "update_weights")
+                   if not hasattr(engine, m)]
+        raise ComponentError(f"engine.kind = {cfg.engine.kind!r} made a "
+                             f"{type(engine).__name__}, not an Engine (tidal.engine.base."
+                             f"Engine): it lacks {', '.join(missing)}")
+    return engine
 
 
 # --------------------------------------------------------------------------- scheduler

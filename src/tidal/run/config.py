@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomli_w
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -526,40 +527,6 @@ def first_difference(a: BaseModel, b: BaseModel, prefix: str = "") -> str | None
 
 
 def dump_config(cfg: RunConfig) -> str:
-    """The config as TOML (written into the run directory for --resume)."""
-    out: list[str] = [f"seed = {cfg.seed}"]
-    for name, section in cfg:
-        if not isinstance(section, BaseModel):
-            continue
-        out.append(f"\n[{name}]")
-        for key, value in section:
-            if value is not None:  # TOML has no null: an absent key reads as None
-                out.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(out) + "\n"
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, BaseModel):  # a table inside a section (`train.lora`)
-        return _toml_value(v.model_dump())
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, tuple | list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    return toml_string(str(v))
-
-
-def toml_string(text: str) -> str:
-    """A TOML basic string: quote and backslash escaped, control characters as \\uXXXX."""
-    out = ['"']
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return "".join(out) + '"'
+    """The config as TOML (written into the run directory for --resume); keys left unset
+    are left out (TOML has no null: an absent key reads as None)."""
+    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))

@@ -29,13 +29,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import resource
 import shutil
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,26 +42,26 @@ from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
 from tidal.agent.preempt import LiveEpisodes, LiveGroup, SnapshotPolicy
 from tidal.agent.tasks import Demonstration, Task, TaskError, taught
+from tidal.engine.base import Engine
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
-from tidal.ledger import LedgerStore, Outcome, Status
+from tidal.ledger import LedgerStore
 from tidal.run import components
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
 from tidal.run.loggers import LoggerError, LogStart
 from tidal.run.progress import RunLog
+from tidal.run.queue import Batch, RolloutQueue, TaskDraws, close_sessions, cpu_seconds
 from tidal.run.rollout import (
     Episode,
     RolloutMigrator,
     Rollouts,
     new_session_id,
     seed_key,
-    session_step,
 )
 from tidal.sandbox import SandboxConfig
 from tidal.sandbox.types import Bind
-from tidal.schedule.backend import Work
 from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
 from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
@@ -77,11 +74,6 @@ class RunError(RuntimeError):
     """The run cannot start or continue (bad run directory, missing checkpoint, ...)."""
 
 
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 # --------------------------------------------------------------------------- build
 
 
@@ -92,7 +84,7 @@ class Parts:
     cfg: RunConfig
     run_dir: Path
     tokenizer: Any
-    engine: Any
+    engine: Engine
     store: LedgerStore
     gateway: GatewayServer
     train_tasks: list[Task]
@@ -103,6 +95,7 @@ class Parts:
     log: RunLog
     t_start: float
     earlier_s: float  # wall clock of attempts before this one (a resume)
+    rows_seen: int = 0  # the ledger's rows read as of the last `ledger_rows_read`
 
     def checkpoint(self, st: RunState) -> RunState:
         st = st.advance(elapsed_s=self.earlier_s + time.time() - self.t_start)
@@ -122,10 +115,15 @@ class Parts:
                 shutil.rmtree(old, ignore_errors=True)
         return time.perf_counter() - t0
 
+    def ledger_rows_read(self) -> int:
+        """Call and outcome rows read back from the ledger since the last call (the
+        step's rollouts and trees: proportional to its sessions, not to the run)."""
+        before, self.rows_seen = self.rows_seen, self.store.rows_read
+        return self.rows_seen - before
+
     def engine_metrics(self) -> dict[str, Any]:
         """What the engine reports per step (servers: tokens/s, sessions, prefix cache)."""
-        metrics = getattr(self.engine, "metrics", None)
-        return dict(metrics()) if callable(metrics) else {}
+        return self.engine.metrics()
 
     def evaluate(self, tag: str, state: RunState) -> float:
         cfg = self.cfg
@@ -164,14 +162,23 @@ def _agent_config(cfg: RunConfig) -> AgentConfig:
                        temperature=r.temperature, tools=r.tools)
 
 
-def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> Parts:
-    """Every component of the run, resolved by name (`tidal.run.components`)."""
-    import transformers
+@dataclass(frozen=True)
+class Resolved:
+    """Every component a config names, resolved (nothing heavy loaded yet)."""
 
-    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    t_start = time.time()
+    tasks: components.Tasks
+    harness: Harness
+    eval_harness: Harness
+    new_runtime: components.RuntimeFactory
+    base_dir: Path  # the model's checkpoint directory
+
+
+def resolve(cfg: RunConfig) -> Resolved:
+    """Every component by name (`tidal.run.components`), checked before anything starts:
+    the tasks, the harnesses, the sandbox runtime, the scheduler backend, the engine and
+    the trainer's layout. A bad name or an impossible layout is a `RunError` naming it."""
     agent_cfg = _agent_config(cfg)
-    try:  # every component by name first, so a bad one fails before anything starts
+    try:
         tasks = components.select_tasks(cfg.tasks, cfg.seed)
         harness = components.make_harness(cfg, agent_cfg)
         eval_harness = components.make_harness(
@@ -187,11 +194,21 @@ def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> 
         components.check_trainer(cfg, base_dir, device=components.resolve_device(cfg.model.device))
     except (TaskError, components.ComponentError) as e:
         raise RunError(str(e)) from e
+    return Resolved(tasks, harness, eval_harness, new_runtime, base_dir)
+
+
+def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> Parts:
+    """Every component of the run, resolved by name (`tidal.run.components`)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    t_start = time.time()
+    got = resolve(cfg)  # a bad name fails before anything starts
     log = _open_log(cfg, run_dir, resume=ckpt is not None or state.step > 0)
     try:
-        return _build(cfg, run_dir, state, ckpt, t_start=t_start, tasks=tasks, harness=harness,
-                      eval_harness=eval_harness, new_runtime=new_runtime, log=log,
-                      base_dir=base_dir)
+        return _build(cfg, run_dir, state, ckpt, t_start=t_start, tasks=got.tasks,
+                      harness=got.harness, eval_harness=got.eval_harness,
+                      new_runtime=got.new_runtime, log=log, base_dir=got.base_dir)
     except BaseException:
         log.close(failed=True)
         raise
@@ -248,9 +265,7 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
     live = LiveEpisodes(run_dir / "live", store, gateway.gateway,
                         SnapshotPolicy(cfg.rollout.snapshot_every, cfg.rollout.snapshot_every_s))
     gateway.gateway.on_record.append(live.note_call)
-    forget = getattr(engine, "forget", None)
-    if callable(forget):  # a server pool drops an ended session's pin with the gateway
-        gateway.gateway.on_forget.append(forget)
+    gateway.gateway.on_forget.append(engine.forget)  # a server pool drops the session's pin
     url = gateway.start()
     outside = cfg.agent.harness == "builtin"  # harnesses inside the sandbox reach the gateway
     sandbox = SandboxConfig(allow_ports=() if outside else (gateway.port,),
@@ -383,156 +398,79 @@ def reference_phase(parts: Parts, state: RunState) -> None:
 
 
 def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[str, Any]]:
-    """`rl.steps` steps: the scheduler rolls out task groups; each full batch of groups
-    is rebuilt into trees and trained. Returns the state, the last step's sessions (for
-    the report's sample trees) and the schedule's summary."""
-    cfg, store, log = parts.cfg, parts.store, parts.log
-    live = parts.rollouts.live
-    resumed = live.pending() if live is not None else []  # groups a killed attempt left live
-    carry = _recover(store, state, {sid for grp in resumed for _t, sid in grp.jobs})
-    b, g = cfg.rollout.tasks_per_step, cfg.rollout.group_size
-    plans: dict[int, tuple[random.Random, deque[Task]]] = {}  # step -> its draws, left
-    planned: dict[int, set[str]] = {}  # step -> tasks of its groups a killed run left
-    group_sids: dict[int, list[str]] = {}  # scheduled group -> its main sessions
-    sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg),
-                                      migrator=RolloutMigrator(parts.rollouts))
-    roll = partial(parts.rollouts.group, base_version=state.policy_version, keep=live is not None)
-    pool = rl_task_pool(parts.train_tasks, state.demonstrated, cfg.rollout.task_pool)
-    train_ids = [t.task_id for t in pool]
-    train_families = [t.family for t in pool]
-    first_step = state.step
-    trained = set(state.trained_sessions) | set(state.dropped_sessions)
-
-    def next_task(step: int) -> Task:
-        """The step's next task: each step draws its batch with its own generator (seed,
-        step), so a resumed run draws what the uninterrupted one did; tasks whose groups
-        a killed run left live are skipped (they resume)."""
-        rng, left = plans.setdefault(step, (random.Random(f"{cfg.seed}/rl/{step}"), deque()))
-        while True:
-            if not left:
-                left.extend(sample_batch(rng, pool, train_ids, b,
-                                         sampling=cfg.rollout.task_sampling,
-                                         signal=state.task_signal,
-                                         families=train_families))
-            task = left.popleft()
-            if task.task_id in planned.get(step, set()):
-                planned[step].discard(task.task_id)
-                continue
-            return task
-
-    def submit(n: int) -> None:
-        """Queue n task groups, drawn batch by batch (`rollout.task_sampling`) with what
-        the steps so far taught. A session id names the step its group was planned for."""
-        works = []
-        for i in range(len(group_sids), len(group_sids) + n):
-            step = first_step + i // b + 1
-            task = next_task(step)
-            works.append([(task, new_session_id("rl", step, task.task_id, k)) for k in range(g)])
-        ids = sched.submit_many(Work(roll, (jobs,)) for jobs in works)
-        group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
-
-    def resume_groups(pending: list[LiveGroup]) -> int:
-        """Queue the groups a killed attempt left live, first: their episodes continue
-        from their snapshots (`tidal.agent.preempt`). A group whose task this run does
-        not have is closed (infra_error)."""
-        by_id = {t.task_id: t for t in parts.train_tasks}
-        works, keys = [], []
-        for grp in pending:
-            assert live is not None
-            if all(sid in trained for _t, sid in grp.jobs):  # trained before the kill
-                live.close_group(grp.key)
-                continue
-            if any(t not in by_id for t, _sid in grp.jobs):
-                _close(store, [sid for _t, sid in grp.jobs], "its task is not in this run")
-                live.close_group(grp.key)
-                continue
-            works.append([(by_id[t], sid) for t, sid in grp.jobs])
-            keys.append(grp.key)
-            step = session_step(grp.jobs[0][1])
-            if step is not None:
-                planned.setdefault(step, set()).add(grp.jobs[0][0])
-        ids = sched.submit_many(Work(roll, (jobs,), {"resume": key})
-                                for jobs, key in zip(works, keys, strict=True))
-        group_sids.update((i, [sid for _, sid in jobs]) for i, jobs in zip(ids, works, strict=True))
-        if works:  # what was resumed, and how many episodes continue from a snapshot
-            log.metrics({"phase": "resume", "step": state.step, "groups": len(works),
-                         "episodes": sum(len(j) for j in works),
-                         "episodes_done": sum(len(g.done) for g in pending),
-                         "snapshots": sum(len(g.snapshotted) for g in pending)})
-        return len(works)
-
+    """`rl.steps` steps, each: a batch of finished task groups -> trees -> a trainer step
+    -> the engine's new weights -> a checkpoint -> the step's row (and an evaluation every
+    `eval.every` steps). Returns the state, the last step's sessions (for the report's
+    sample trees) and the schedule's summary."""
+    cfg, log = parts.cfg, parts.log
+    queue, resumed = rollout_queue(parts, state)
     sessions: list[str] = []
-    groups: list[Sample] = []
-    lost = 0  # groups dropped as stale or failed: replaced by new ones
     log.phase("rl", cfg.rl.steps, done=state.step)
-    # groups are queued as late as the staleness bound allows (K + 1 batches ahead), so
-    # each batch's tasks are drawn with the latest task statistics; no flush: a batch is
-    # never closed early while the next one is not queued
-    todo = (cfg.rl.steps - state.step) * b
-
-    def queue(n: int) -> None:
-        nonlocal todo
-        k = min(n, todo)
-        todo -= k
-        if k:
-            submit(k)
-
-    with sched:
-        todo -= resume_groups(resumed)
-        queue(max(0, (cfg.rl.max_staleness + 1) * b - len(group_sids)))
-        t0, cpu0 = time.perf_counter(), _cpu_seconds()
-        for mb in sched.iter_batches(steps=cfg.rl.steps - state.step, flush=False):
-            groups.extend(mb.samples)
-            if not mb.done():
-                continue  # the batch fills as groups finish (streaming)
-            t_wait = time.perf_counter() - t0
-            # in one order whatever finished first: a seed trains alike in every run
-            eps = sorted((e for grp in groups for e in grp.value),
-                         key=lambda e: seed_key(e.session_id))
-            sessions = [s for e in eps for s in e.session_ids] + sorted(carry, key=seed_key)
+    with queue:
+        queue.start(resumed, state.task_signal)
+        for batch in queue.batches():
+            sessions = batch.sessions
             t1 = time.perf_counter()
-            result = process_store(
-                store, sessions, max_paths=cfg.rl.max_paths, incomplete=cfg.rl.timeout_reward,
-                advantage=cfg.rl.advantage, normalisation=cfg.rl.normalization, strict=False,
-            )
-            metrics = parts.trainer.step(result.trees).as_dict() if result.trees else {}
+            trees = process_store(parts.store, sessions, max_paths=cfg.rl.max_paths,
+                                  incomplete=cfg.rl.timeout_reward, advantage=cfg.rl.advantage,
+                                  normalisation=cfg.rl.normalization, strict=False).trees
+            metrics = parts.trainer.step(trees).as_dict() if trees else {}
             t_train = time.perf_counter() - t1
-            gone = sched.dropped() + [f.session for f in sched.failed()]
-            state = state.advance(
-                step=state.step + 1, policy_version=state.policy_version + 1,
-                trained_sessions=(*state.trained_sessions, *sessions),
-                dropped_sessions=tuple(dict.fromkeys((
-                    *state.dropped_sessions, *(s for i in gone for s in group_sids[i])))),
-                sessions=state.sessions + len(sessions),
-                task_signal=record_groups(state.task_signal, (
-                    (grp.value[0].task_id, [e.reward for e in grp.value])
-                    for grp in groups if grp.value)),
-            )
+            state = state.advance(**_stepped(state, batch))
             sync_s = parts.sync_engine(state.policy_version)
             state = parts.checkpoint(state)
-            if live is not None:  # what these groups trained is safe: nothing left to resume
-                for i in [grp.session for grp in groups] + gone:
-                    live.close_group(group_sids[i][0])
+            queue.trained(batch)  # what it trained is safe: nothing left to resume
             log.metrics(_step_row(
-                state, eps=eps, m=metrics, t_wait=t_wait, t_train=t_train,
-                wall=time.perf_counter() - t0, cpu=_cpu_seconds() - cpu0, groups=groups,
-                sched=sched.metrics(),
-                sampled=_sampled(store, [s for e in eps for s in e.session_ids]),
+                state, eps=list(batch.episodes), m=metrics, t_wait=batch.waited_s,
+                t_train=t_train, wall=time.perf_counter() - batch.started,
+                cpu=cpu_seconds() - batch.cpu_started, groups=list(batch.groups),
+                sched=queue.summary(),
+                sampled=_sampled(batch.episodes),
                 engine={"weight_sync_s": sync_s, **parts.engine_metrics()},
-                trainer={**parts.trainer.metrics(), **_snapshot_figures(live)},
+                trainer={**parts.trainer.metrics(), **_snapshot_figures(parts.rollouts.live)},
+                ledger_rows_read=parts.ledger_rows_read(),
             ))
             log.advance("rl")
             if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
                 parts.evaluate(f"s{state.step}", state)
-            sched.step_done()
-            queue(b)
-            if len(gone) > lost:  # keep every remaining step's batch full
-                submit(len(gone) - lost)
-                lost = len(gone)
-            groups, carry = [], []
-            t0, cpu0 = time.perf_counter(), _cpu_seconds()
-        schedule = _schedule_summary(sched.metrics())
+            queue.refill(batch, state.task_signal)
+        schedule = _schedule_summary(queue.summary())
     return state, sessions, schedule
+
+
+def rollout_queue(parts: Parts, state: RunState) -> tuple[RolloutQueue, list[LiveGroup]]:
+    """The queue of the RL steps left, and the task groups a killed attempt left live
+    (they resume first). Sessions of that attempt that will not resume and have no
+    outcome are closed; those committed and never trained are carried into the first
+    batch."""
+    cfg = parts.cfg
+    live = parts.rollouts.live
+    resumed = live.pending() if live is not None else []
+    carry = _recover(parts.store, state, {sid for grp in resumed for _t, sid in grp.jobs})
+    sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg),
+                                      migrator=RolloutMigrator(parts.rollouts))
+    pool = rl_task_pool(parts.train_tasks, state.demonstrated, cfg.rollout.task_pool)
+    draws = TaskDraws(pool, seed=cfg.seed, batch=cfg.rollout.tasks_per_step,
+                      sampling=cfg.rollout.task_sampling)
+    queue = RolloutQueue(
+        sched, parts.rollouts, draws, steps=cfg.rl.steps - state.step, first_step=state.step,
+        tasks_per_step=cfg.rollout.tasks_per_step, group_size=cfg.rollout.group_size,
+        max_staleness=cfg.rl.max_staleness, base_version=state.policy_version,
+        trained=set(state.trained_sessions) | set(state.dropped_sessions), carry=carry,
+        tasks=parts.train_tasks, log=parts.log)
+    return queue, resumed
+
+
+def _stepped(state: RunState, batch: Batch) -> dict[str, Any]:
+    """What a trained batch changes in the run's state."""
+    return {
+        "step": state.step + 1, "policy_version": state.policy_version + 1,
+        "trained_sessions": (*state.trained_sessions, *batch.sessions),
+        "dropped_sessions": tuple(dict.fromkeys((*state.dropped_sessions,
+                                                 *batch.gone_sessions))),
+        "sessions": state.sessions + len(batch.sessions),
+        "task_signal": record_groups(state.task_signal, batch.group_rewards),
+    }
 
 
 def summarize(parts: Parts, state: RunState, end: float,
@@ -631,36 +569,26 @@ def _recover(store: LedgerStore, state: RunState, resumed: set[str]) -> list[str
         if s.session_id in resumed:
             continue
         if s.session_id not in outcomes:
-            _close(store, [s.session_id], "the run was killed mid-session")
+            close_sessions(store, [s.session_id], "the run was killed mid-session")
         elif s.session_id not in trained:
             carry.append(s.session_id)
     return carry
 
 
-def _close(store: LedgerStore, session_ids: list[str], why: str) -> None:
-    """infra_error outcomes for recorded sessions that have none (masked, not punished)."""
-    outcomes = store.outcomes()
-    store.append_outcomes([Outcome(sid, Status.INFRA_ERROR, 0.0, 0.0, {"error": why})
-                           for sid in session_ids
-                           if store.has_session(sid) and sid not in outcomes])
-
-
-def _sampled(store: LedgerStore, session_ids: list[str]) -> tuple[int, float]:
-    """Tokens the engine sampled for these sessions, and the wall clock from their
+def _sampled(episodes: Sequence[Episode]) -> tuple[int, float]:
+    """Tokens the engine sampled for these episodes, and the wall clock from their
     first call's start to their last call's end."""
-    tokens, first, last = 0, float("inf"), 0.0
-    for sid in session_ids:
-        for sc in store.call_log(sid).calls:
-            tokens += int(sc.call.output_ids.shape[0])
-            first, last = min(first, sc.call.started_at), max(last, sc.call.ended_at)
-    return tokens, max(last - first, 0.0)
+    first = min((e.first_call_at for e in episodes if e.first_call_at is not None),
+                default=float("inf"))
+    last = max((e.last_call_at for e in episodes if e.last_call_at is not None), default=0.0)
+    return sum(e.tokens for e in episodes), max(last - first, 0.0)
 
 
 def _step_row(
     state: RunState, *, eps: list[Episode], m: dict[str, float], t_wait: float,
     t_train: float, wall: float, cpu: float, groups: list[Sample], sched: dict[str, Any],
     sampled: tuple[int, float] = (0, 0.0), engine: dict[str, Any] | None = None,
-    trainer: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None, ledger_rows_read: int = 0,
 ) -> dict[str, Any]:
     """One RL step's metrics row. `rollout_s` is how long the trainer waited for its
     batch (rollouts of other batches may overlap training under elastic/async);
@@ -687,6 +615,8 @@ def _step_row(
         # the span from its first call's start to its last call's end
         "rollout_tokens": sampled_tokens,
         "rollout_tokens_per_s": sampled_tokens / span if span else 0.0,
+        # call and outcome rows read back from the ledger since the last step's row
+        "ledger_rows_read": ledger_rows_read,
         "cpu_utilization": cpu / (wall * (os.cpu_count() or 1)),
         **_schedule_summary(sched),
         # the engine's: weight_sync_s (trainer -> engine), per-server figures (vLLM)
@@ -706,10 +636,13 @@ def _snapshot_figures(live: LiveEpisodes | None) -> dict[str, Any]:
     return {"snapshots": live.snapshots, "snapshot_s": round(live.snapshot_s, 3)}
 
 
-def _switching(engine: Any, cfg: RunConfig) -> dict[str, Any]:
+def _switching(engine: Engine, cfg: RunConfig) -> dict[str, Any]:
     """Role switches that act on the engine: vLLM servers started here, one per device,
     sleep while their device trains and wake on the newest weights (a start's seconds)."""
-    if cfg.engine.kind != "vllm" or cfg.engine.urls or cfg.engine.servers != cfg.schedule.devices:
+    from tidal.engine.servers import ServerPool
+
+    if (not isinstance(engine, ServerPool) or cfg.engine.urls
+            or cfg.engine.servers != cfg.schedule.devices):
         return {}
     return {"on_switch": engine.on_switch, "switch_s": engine.start_s}
 

@@ -30,13 +30,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from tidal.agent.command import CommandHarness
 from tidal.agent.episode import EpisodeContext, Harness, HarnessResult, run_task
 from tidal.agent.preempt import LiveEpisodes, Preempted, abandoned_calls
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import Demonstration, Grade, Task, demonstrations
-from tidal.ledger import LedgerStore, Outcome, Status
+from tidal.ledger import Call, LedgerStore, Outcome, Status
 from tidal.run.components import RuntimeFactory
 from tidal.sandbox import SandboxConfig
 from tidal.schedule.backend import RolloutResult, Work
@@ -64,6 +65,22 @@ class Episode:
     checks: dict[str, float] = field(default_factory=dict)
     grader_error: str | None = None
     tool_parse_failures: int = 0  # calls whose text looked like a tool call none parsed
+    # what its recorded calls sampled, read once when it ends (the step's figures and
+    # the scheduler's staleness come from here, not from the ledger again)
+    tokens: int = 0  # model tokens sampled
+    oldest_version: int | None = None  # policy version of its oldest sampled token
+    first_call_at: float | None = None  # its first call's start (time.time())
+    last_call_at: float | None = None  # its last call's end
+
+
+def _sampled(calls: Sequence[Call]) -> dict[str, Any]:
+    """An episode's sampled figures (`Episode.tokens` ...) from its recorded calls."""
+    if not calls:
+        return {}
+    return {"tokens": sum(int(c.output_ids.shape[0]) for c in calls),
+            "oldest_version": min(c.policy_version for c in calls),
+            "first_call_at": min(c.started_at for c in calls),
+            "last_call_at": max(c.ended_at for c in calls)}
 
 
 def new_session_id(phase: str, step: int, task_id: str, k: int) -> str:
@@ -208,6 +225,7 @@ class Rollouts:
             reward=grade.reward, partial_score=grade.partial_score, n_calls=len(logged),
             seconds=time.perf_counter() - t0, checks=grade.by_kind, grader_error=grade.error,
             tool_parse_failures=sum("tool_parse" in (c.metadata or {}) for c in logged),
+            **_sampled(logged),
         ))
 
     def demonstrations(self, task: Task) -> list[Demonstration]:
@@ -230,7 +248,9 @@ class Rollouts:
             return
         with self.live.runtime(
                 group, task.task_id, session_id, config, self.new_runtime, resume=resume,
-                snapshots=getattr(self.harness, "tools_through_runtime", True)) as got:
+                # a harness whose tools run inside the sandbox cannot be snapshotted
+                # between tool calls: its resumed episode starts in a fresh sandbox
+                snapshots=not isinstance(self.harness, CommandHarness)) as got:
             yield got
 
     def _done(self, group: str | None, episode: Episode) -> Episode:
@@ -251,9 +271,9 @@ class Rollouts:
             return None
         sessions = [s for s in _episode_sessions(self.store, session_id, [])
                     if self.store.outcome(s) is not None]
-        calls = sum(len(self.store.call_log(s).calls) for s in sessions)
+        calls = [sc.call for s in sessions for sc in self.store.call_log(s).calls]
         return Episode(task_id, session_id, tuple(sessions), o.status.value, o.reward,
-                       o.partial_score, calls, 0.0)
+                       o.partial_score, len(calls), 0.0, **_sampled(calls))
 
     def _keep_log(self, session_id: str, result: HarnessResult) -> None:
         if self.log_dir is None or not result.log:
@@ -321,14 +341,10 @@ class Rollouts:
             raise GroupPreempted(key) from None
         if key is not None and self.live is not None and not keep:
             self.live.close_group(key)
-        versions, tokens = [], 0
-        for e in eps:
-            for sid in e.session_ids:
-                for sc in self.store.call_log(sid).calls:
-                    versions.append(sc.call.policy_version)
-                    tokens += len(sc.call.output_ids)
+        versions = [e.oldest_version for e in eps if e.oldest_version is not None]
         oldest = min(versions) - base_version if versions else None
-        return RolloutResult(value=eps, policy_version=oldest, tokens=tokens)
+        return RolloutResult(value=eps, policy_version=oldest,
+                             tokens=sum(e.tokens for e in eps))
 
 
 @dataclass(frozen=True)

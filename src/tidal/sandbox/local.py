@@ -292,7 +292,8 @@ class LocalBox:
         tmp.write_text(json.dumps(data))
         tmp.replace(path)
 
-    def _start_init(self) -> None:
+    # long by design: the init process's pipes and fds, set up in the order the child reads them
+    def _start_init(self) -> None:  # noqa: PLR0915
         elf = _linux.init_elf()
         life_r, self._lifeline = os.pipe()
         info_r, info_w = os.pipe()
@@ -393,7 +394,8 @@ class LocalBox:
                 paused += time.monotonic() - max(self._paused_since, since)
         return time.monotonic() - since - paused
 
-    def exec(self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
+    # long by design: one exec under the sandbox lock: argv, cgroup, pipes and spawn in order
+    def exec(self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str],  # noqa: PLR0915
              stdin: bytes | None, wall_s: float) -> ExecResult:
         with self._lock:
             if self._closed:
@@ -462,7 +464,8 @@ class LocalBox:
                 self._ctl.keep(ctl)
                 self._start_watchdog()
 
-    def _monitor(self, proc: subprocess.Popen[bytes], ctl: cgroups.ExecControl, *, out_r: int,
+    # long by design: one poll loop over a command's pipes, limits and deadline (a state machine)
+    def _monitor(self, proc: subprocess.Popen[bytes], ctl: cgroups.ExecControl, *, out_r: int,  # noqa: PLR0915
                  err_r: int, in_w: int | None, stdin: bytes | None, wall_s: float) -> ExecResult:
         """Pump stdin/stdout/stderr and enforce the limits until the command ends.
 

@@ -80,7 +80,8 @@ class Resolver:
     # ----------------------------------------------------------------- resolution
 
     @contextlib.contextmanager
-    def _resolve(self, api_path: object, *, mkdirs: bool = False) -> Iterator[_Found]:
+    # long by design: an openat walk resolving symlinks: one loop over a shared stack of fds
+    def _resolve(self, api_path: object, *, mkdirs: bool = False) -> Iterator[_Found]:  # noqa: PLR0915
         path = normalize(api_path, self.workdir)
         self._check_reachable(path, path)
         root_fd = os.open(self.mounts["/"], _O_PATH_DIR)

@@ -151,7 +151,8 @@ def split_candidates(sc: Scenario, table: SessionTable) -> list[int]:
     return sorted(x for x in cands if 0 < x < n)
 
 
-def compare(sc: Scenario, *, progress: Any = None) -> dict[str, Any]:
+# long by design: the simulator's comparison table: each policy run and summarised in turn
+def compare(sc: Scenario, *, progress: Any = None) -> dict[str, Any]:  # noqa: PLR0915
     """Run colocated, the async baselines and elastic on one workload; JSON-ready."""
     t0 = time.perf_counter()
     table = SessionTable(sc.workload, sc.seed)

@@ -131,7 +131,8 @@ class SimResult:
         return d
 
 
-def simulate(
+# long by design: the simulator's event loop: every event kind handled in one loop
+def simulate(  # noqa: PLR0915
     policy: Policy,
     workload: WorkloadModel | SessionTable,
     config: SimConfig,

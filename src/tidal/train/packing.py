@@ -177,7 +177,8 @@ class PackedBatch:
         return out_N
 
 
-def layout_tree(tree: TrainTree) -> TreeLayout:
+# long by design: one DFS pass laying out a tree: segments, targets and loss pairs together
+def layout_tree(tree: TrainTree) -> TreeLayout:  # noqa: PLR0915
     """Validate a tree and lay it out in DFS order with its targets and loss pairs."""
     name = f"tree {tree.tree_id!r}"
     segs = tree.segments
@@ -324,7 +325,8 @@ def _heads(lay: TreeLayout, start: int, end: int) -> I64:
     return h if h.size and h[0] == start else np.concatenate([[start], h]).astype(np.int64)
 
 
-def _build_stream(
+# long by design: one pass building a packed stream's arrays from its trees' layouts
+def _build_stream(  # noqa: PLR0915
     parts: Sequence[_Part],
     layouts: Sequence[TreeLayout],
     target_offset: int,

@@ -118,8 +118,8 @@ def load_sessions(
 
     An outcome recorded for a session that has no calls becomes a session with no calls
     (refused later with a clear error)."""
-    outcomes = store.outcomes()
     ids = list(session_ids) if session_ids is not None else store.session_ids()
+    outcomes = store.outcomes(ids if session_ids is not None else None)
     if session_ids is None:
         known = set(ids)
         ids += [s for s in outcomes if s not in known]

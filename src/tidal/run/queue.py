@@ -1,0 +1,236 @@
+"""The RL step's input: task draws, and the rollout queue that turns them into batches.
+
+`TaskDraws` says which task each scheduled group runs: each step draws its batch with a
+generator of its own, seeded by (run seed, step), so a resumed run draws what the
+uninterrupted one did. `RolloutQueue` owns everything between those draws and a trained
+step: it queues task groups on the scheduler as late as the staleness bound allows,
+resumes the groups a killed attempt left live, replaces groups dropped as stale or
+failed, and yields each step's `Batch` of finished groups, in memory. The ledger is the
+durable record of what the groups sampled, not the channel the batch comes through.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from tidal.agent.preempt import LiveEpisodes, LiveGroup
+from tidal.agent.tasks import Task
+from tidal.ledger import LedgerStore, Outcome, Status
+from tidal.run.progress import RunLog
+from tidal.run.rollout import Episode, Rollouts, new_session_id, seed_key, session_step
+from tidal.schedule.backend import Work
+from tidal.schedule.curriculum import TaskSignal, sample_batch
+from tidal.schedule.scheduler import Sample, Scheduler
+
+
+def cpu_seconds() -> float:
+    """The process's user and system CPU seconds so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class TaskDraws:
+    """The tasks of each RL step's groups, drawn batch by batch from `pool`
+    (`rollout.task_sampling`) with a generator seeded by (seed, step). A task whose group
+    a killed attempt left live for a step is skipped once in that step's draws (`skip`):
+    the group resumes instead."""
+
+    def __init__(self, pool: Sequence[Task], *, seed: int, batch: int, sampling: str) -> None:
+        self._pool = list(pool)
+        self._ids = [t.task_id for t in pool]
+        self._families = [t.family for t in pool]
+        self._seed, self._batch, self._sampling = seed, batch, sampling
+        self._plans: dict[int, tuple[random.Random, deque[Task]]] = {}
+        self._skip: dict[int, set[str]] = {}
+
+    def skip(self, step: int, task_id: str) -> None:
+        self._skip.setdefault(step, set()).add(task_id)
+
+    def next(self, step: int, signal: TaskSignal) -> Task:
+        """The step's next task, weighted by what the steps so far taught (`signal`)."""
+        rng, left = self._plans.setdefault(
+            step, (random.Random(f"{self._seed}/rl/{step}"), deque()))
+        while True:
+            if not left:
+                left.extend(sample_batch(rng, self._pool, self._ids, self._batch,
+                                         sampling=self._sampling, signal=signal,
+                                         families=self._families))
+            task = left.popleft()
+            if task.task_id in self._skip.get(step, set()):
+                self._skip[step].discard(task.task_id)
+                continue
+            return task
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One RL step's finished task groups. `episodes` in seed-key order (a seed trains
+    alike whatever finished first); `carry`: sessions a killed attempt committed and never
+    trained; `gone`: every group dropped as stale or failed so far in this run, with
+    `gone_sessions` their main sessions; `waited_s`: how long the trainer waited for the
+    batch, from the end of the last step."""
+
+    step: int
+    groups: tuple[Sample, ...]
+    episodes: tuple[Episode, ...]
+    carry: tuple[str, ...]
+    gone: tuple[int, ...]
+    gone_sessions: tuple[str, ...]
+    waited_s: float
+    started: float  # perf_counter() when the wait began
+    cpu_started: float  # the process's CPU seconds then
+
+    @property
+    def sessions(self) -> list[str]:
+        """What the step trains: every session of its episodes, then the carried ones."""
+        return [s for e in self.episodes for s in e.session_ids] + list(self.carry)
+
+    @property
+    def group_rewards(self) -> list[tuple[str, list[float]]]:
+        return [(g.value[0].task_id, [e.reward for e in g.value]) for g in self.groups
+                if g.value]
+
+
+class RolloutQueue:
+    """Task groups on the scheduler, batch by batch, for `steps` RL steps from
+    `first_step`. Groups are queued as late as the staleness bound allows (K + 1 batches
+    ahead), so each batch's tasks are drawn with the latest task statistics; a batch is
+    never closed early. Use as a context manager (it runs the scheduler), iterate the
+    batches, and call `trained` once a batch's step is checkpointed and `refill` once
+    the step is over."""
+
+    def __init__(self, sched: Scheduler, rollouts: Rollouts, draws: TaskDraws, *,
+                 steps: int, first_step: int, tasks_per_step: int, group_size: int,
+                 max_staleness: int, base_version: int, trained: set[str],
+                 carry: Sequence[str], tasks: Sequence[Task], log: RunLog) -> None:
+        self._sched, self._rollouts, self._draws = sched, rollouts, draws
+        self._live: LiveEpisodes | None = rollouts.live
+        self._roll = partial(rollouts.group, base_version=base_version,
+                             keep=self._live is not None)
+        self._b, self._g, self._k = tasks_per_step, group_size, max_staleness
+        self._origin = first_step  # the step this attempt starts from
+        self._step, self._steps = first_step, steps
+        self._trained = trained
+        self._carry = tuple(sorted(carry, key=seed_key))
+        self._tasks = {t.task_id: t for t in tasks}
+        self._log = log
+        self._group_sids: dict[int, list[str]] = {}  # scheduled group -> its sessions
+        self._todo = steps * tasks_per_step  # groups still to queue
+        self._lost = 0  # groups dropped as stale or failed, replaced so far
+
+    def __enter__(self) -> RolloutQueue:
+        self._sched.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sched.__exit__(*exc)
+
+    def start(self, resumed: list[LiveGroup], signal: TaskSignal) -> None:
+        """Queue the groups a killed attempt left live, then the first batches."""
+        self._todo -= self._resume(resumed)
+        self._queue(max(0, (self._k + 1) * self._b - len(self._group_sids)), signal)
+
+    def batches(self) -> Iterator[Batch]:
+        groups: list[Sample] = []
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
+        for mb in self._sched.iter_batches(steps=self._steps, flush=False):
+            groups.extend(mb.samples)
+            if not mb.done():
+                continue  # the batch fills as groups finish (streaming)
+            waited = time.perf_counter() - t0
+            gone = tuple(self._sched.dropped() + [f.session for f in self._sched.failed()])
+            yield Batch(
+                step=self._step + 1, groups=tuple(groups),
+                episodes=tuple(sorted((e for grp in groups for e in grp.value),
+                                      key=lambda e: seed_key(e.session_id))),
+                carry=self._carry, gone=gone,
+                gone_sessions=tuple(s for i in gone for s in self._group_sids[i]),
+                waited_s=waited, started=t0, cpu_started=cpu0)
+            self._step += 1
+            groups, self._carry = [], ()
+            t0, cpu0 = time.perf_counter(), cpu_seconds()
+
+    def trained(self, batch: Batch) -> None:
+        """The batch's step is checkpointed: its groups (and the dropped ones) need no
+        resuming."""
+        if self._live is not None:
+            for i in [grp.session for grp in batch.groups] + list(batch.gone):
+                self._live.close_group(self._group_sids[i][0])
+
+    def refill(self, batch: Batch, signal: TaskSignal) -> None:
+        """The step is over: publish the version, queue the next batch, and replace the
+        groups dropped since the last step, so every remaining step's batch is full."""
+        self._sched.step_done()
+        self._queue(self._b, signal)
+        if len(batch.gone) > self._lost:
+            self._submit(len(batch.gone) - self._lost, signal)
+            self._lost = len(batch.gone)
+
+    def summary(self) -> dict[str, object]:
+        return self._sched.metrics()
+
+    # ------------------------------------------------------------------ internals
+
+    def _queue(self, n: int, signal: TaskSignal) -> None:
+        k = min(n, self._todo)
+        self._todo -= k
+        if k:
+            self._submit(k, signal)
+
+    def _submit(self, n: int, signal: TaskSignal) -> None:
+        """Queue n task groups; a session id names the step its group was planned for."""
+        works = []
+        done = len(self._group_sids)
+        for i in range(done, done + n):
+            step = self._origin + i // self._b + 1
+            task = self._draws.next(step, signal)
+            works.append([(task, new_session_id("rl", step, task.task_id, k))
+                          for k in range(self._g)])
+        ids = self._sched.submit_many(Work(self._roll, (jobs,)) for jobs in works)
+        self._group_sids.update((i, [sid for _, sid in jobs])
+                                for i, jobs in zip(ids, works, strict=True))
+
+    def _resume(self, pending: list[LiveGroup]) -> int:
+        """Queue the groups a killed attempt left live, first: their episodes continue
+        from their snapshots (`tidal.agent.preempt`). A group whose task this run does
+        not have is closed (infra_error)."""
+        works, keys = [], []
+        for grp in pending:
+            assert self._live is not None
+            if all(sid in self._trained for _t, sid in grp.jobs):  # trained before the kill
+                self._live.close_group(grp.key)
+                continue
+            if any(t not in self._tasks for t, _sid in grp.jobs):
+                close_sessions(self._rollouts.store, [sid for _t, sid in grp.jobs],
+                               "its task is not in this run")
+                self._live.close_group(grp.key)
+                continue
+            works.append([(self._tasks[t], sid) for t, sid in grp.jobs])
+            keys.append(grp.key)
+            step = session_step(grp.jobs[0][1])
+            if step is not None:
+                self._draws.skip(step, grp.jobs[0][0])
+        ids = self._sched.submit_many(Work(self._roll, (jobs,), {"resume": key})
+                                      for jobs, key in zip(works, keys, strict=True))
+        self._group_sids.update((i, [sid for _, sid in jobs])
+                                for i, jobs in zip(ids, works, strict=True))
+        if works:  # what was resumed, and how many episodes continue from a snapshot
+            self._log.metrics({"phase": "resume", "step": self._origin, "groups": len(works),
+                               "episodes": sum(len(j) for j in works),
+                               "episodes_done": sum(len(g.done) for g in pending),
+                               "snapshots": sum(len(g.snapshotted) for g in pending)})
+        return len(works)
+
+
+def close_sessions(store: LedgerStore, session_ids: Sequence[str], why: str) -> None:
+    """infra_error outcomes for recorded sessions that have none (masked, not punished)."""
+    have = store.outcomes(session_ids)
+    store.append_outcomes([Outcome(sid, Status.INFRA_ERROR, 0.0, 0.0, {"error": why})
+                           for sid in session_ids
+                           if store.has_session(sid) and sid not in have])
