@@ -269,3 +269,32 @@ def test_episode_sessions_walks_every_linked_session_breadth_first(tmp_path: Pat
         assert store.episode_sessions("main") == ["main", "sub1", "sub2", "sub1-sub1"]
         assert store.episode_sessions("sub1") == ["sub1", "sub1-sub1"]
         assert store.episode_sessions("other") == ["other"]
+
+
+def test_session_meta_is_recorded_once_and_read_back(tmp_path: Path) -> None:
+    from tidal.ledger import SessionMeta
+
+    path = tmp_path / "l.db"
+    with LedgerStore(path) as store:
+        assert store.session_meta() == {}
+        a, b = SessionMeta("rl", 3, "t-1", 0), SessionMeta("rl", 3, "t-1", 1, parent="s-a")
+        store.record_meta({"s-a": a, "s-b": b})
+        store.record_meta({"s-a": SessionMeta("eval", 9, "other", 5)})  # kept as it was
+        assert store.session_meta() == {"s-a": a, "s-b": b}
+        assert store.session_meta(["s-b", "nope"]) == {"s-b": b}
+        with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+            store._db.execute("UPDATE session_meta SET step = 4")
+    with LedgerStore(path, readonly=True) as store:
+        assert store.session_meta(["s-a"]) == {"s-a": a}
+
+
+def test_session_meta_of_a_ledger_without_the_table_is_empty(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with LedgerStore(path):
+        pass
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE session_meta")  # as written before the table existed
+    db.commit()
+    db.close()
+    with LedgerStore(path, readonly=True) as store:
+        assert store.session_meta() == {}

@@ -71,6 +71,20 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
             return sid
 
         rl_sessions = [s.session_id for s in infos if root(s.session_id).startswith("rl-")]
+        # every session is recorded with its phase, step, task, sample and parent
+        meta = store.session_meta()
+        assert set(meta) >= {s.session_id for s in infos}
+        for s in infos:
+            m, top = meta[s.session_id], meta[root(s.session_id)]
+            assert m.parent == s.parent_session_id
+            assert (m.phase, m.step, m.task_id, m.sample) == (top.phase, top.step, top.task_id,
+                                                              top.sample)
+        assert sorted({(m.phase, m.step) for m in meta.values()}) == [
+            ("evalend", 2), ("evalstart", 0), ("rl", 1), ("rl", 2)]
+        for sid in rl_main:
+            m = meta[sid]
+            assert sid.startswith(f"rl-{m.step}-{m.task_id}-{m.sample}-"), (sid, m)
+        assert {meta[s].sample for s in rl_main} == {0, 1}  # groups of 2
         versions = {sc.call.policy_version for sid in rl_sessions
                     for sc in store.call_log(sid).calls}
         assert versions == {1, 2}  # each step sampled with the weights of the step before

@@ -33,7 +33,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from tidal.ledger.types import (
     LedgerError,
     Outcome,
     PromptDelta,
+    SessionMeta,
     Status,
     StoredCall,
     call_to_dict,
@@ -91,6 +92,17 @@ CREATE TABLE IF NOT EXISTS outcomes (
     content_hash TEXT NOT NULL,
     chain_hash TEXT NOT NULL
 );
+-- what a run records of each session it starts (phase, step, task, sample, parent)
+CREATE TABLE IF NOT EXISTS session_meta (
+    session_id TEXT PRIMARY KEY,
+    phase TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    task_id TEXT NOT NULL,
+    sample INTEGER NOT NULL,
+    parent_session_id TEXT
+);
+CREATE TRIGGER IF NOT EXISTS session_meta_no_update BEFORE UPDATE ON session_meta
+    BEGIN SELECT RAISE(ABORT, 'ledger is append-only: session metadata cannot be updated'); END;
 -- a call's session by its id alone (subagent parents, a restarted gateway's lookups)
 CREATE INDEX IF NOT EXISTS calls_by_call_id ON calls (call_id);
 CREATE TRIGGER IF NOT EXISTS calls_no_update BEFORE UPDATE ON calls
@@ -714,9 +726,17 @@ class LedgerStore:
     def episode_sessions(self, session_id: str) -> list[str]:
         """`session_id` and every session linked below it (subagents, theirs, ...),
         breadth first: the recorded sessions of one episode."""
-        out, i = [session_id], 0
-        while i < len(out):
-            out += [c for c in self.child_sessions(out[i]) if c not in out]
+        return list(self.episode_tree(session_id))
+
+    def episode_tree(self, session_id: str) -> dict[str, str | None]:
+        """`episode_sessions`, each with its parent session (None for `session_id`)."""
+        out: dict[str, str | None] = {session_id: None}
+        order, i = [session_id], 0
+        while i < len(order):
+            for c in self.child_sessions(order[i]):
+                if c not in out:
+                    out[c] = order[i]
+                    order.append(c)
             i += 1
         return out
 
@@ -753,6 +773,42 @@ class LedgerStore:
             log = self.call_log(sid)
             for sc in log.calls:
                 yield log.full_call(sc.call_id)
+
+    def record_meta(self, metas: Mapping[str, SessionMeta]) -> None:
+        """Record sessions' metadata (`SessionMeta`) by session id; a session that has
+        some keeps it (recording it again, a resumed run's, changes nothing)."""
+        rows = [(sid, m.phase, m.step, m.task_id, m.sample, m.parent)
+                for sid, m in metas.items()]
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO session_meta VALUES (?, ?, ?, ?, ?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def session_meta(self, session_ids: Iterable[str] | None = None) -> dict[str, SessionMeta]:
+        """Sessions' metadata by id: every session's, or only these (those recorded)."""
+        query = "SELECT session_id, phase, step, task_id, sample, parent_session_id " \
+                "FROM session_meta"
+        try:
+            with self._lock:
+                if session_ids is None:
+                    rows = self._db.execute(query).fetchall()
+                else:
+                    ids, rows = list(dict.fromkeys(session_ids)), []
+                    for i in range(0, len(ids), _IN_CHUNK):
+                        chunk = ids[i:i + _IN_CHUNK]
+                        rows += self._db.execute(
+                            f"{query} WHERE session_id IN ({','.join('?' * len(chunk))})",
+                            chunk).fetchall()
+        except sqlite3.OperationalError as e:  # a ledger written before the table existed
+            if "no such table" not in str(e):
+                raise
+            return {}
+        return {r[0]: SessionMeta(r[1], int(r[2]), r[3], int(r[4]), r[5]) for r in rows}
 
     def outcome(self, session_id: str) -> Outcome | None:
         with self._lock:

@@ -152,6 +152,20 @@ class Outcome:
     recorded_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class SessionMeta:
+    """What a run records of a session beside its calls: the phase it ran in (`rl`,
+    `eval<tag>`), the RL step it was planned for, its task, its sample index in the task's
+    group, and for a subagent its parent session. Recorded by the run that starts the
+    session (not by anything inside the sandbox), read back on resume."""
+
+    phase: str
+    step: int
+    task_id: str
+    sample: int
+    parent: str | None = None
+
+
 # --------------------------------------------------------------------------- validation
 
 

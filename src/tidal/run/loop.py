@@ -46,7 +46,7 @@ from tidal.engine.base import Engine
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
-from tidal.ledger import LedgerStore
+from tidal.ledger import LedgerStore, SessionMeta
 from tidal.run import components
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
@@ -128,8 +128,13 @@ class Parts:
     def evaluate(self, tag: str, state: RunState) -> float:
         cfg = self.cfg
         t0 = time.perf_counter()
-        jobs = [(t, new_session_id(f"eval{tag}", state.step, t.task_id, k))
-                for t in self.heldout for k in range(cfg.eval.samples)]
+        jobs: list[tuple[Task, str]] = []
+        metas: dict[str, SessionMeta] = {}
+        for t in self.heldout:
+            for k in range(cfg.eval.samples):
+                jobs.append((t, new_session_id(f"eval{tag}", state.step, t.task_id, k)))
+                metas[jobs[-1][1]] = SessionMeta(f"eval{tag}", state.step, t.task_id, k)
+        self.store.record_meta(metas)
         self.log.phase("eval", len(jobs))
         # evaluation runs as many sessions at once as the rollout devices can
         workers = cfg.schedule.devices * cfg.schedule.groups_per_device * cfg.rollout.group_size
@@ -561,10 +566,11 @@ def _recover(store: LedgerStore, state: RunState, resumed: set[str]) -> list[str
     (`resumed`: those of live groups; infra_error: masked, not punished) and return
     committed RL sessions that were never trained (nor dropped as stale)."""
     trained = set(state.trained_sessions) | set(state.dropped_sessions)
-    outcomes = store.outcomes()
+    outcomes, metas = store.outcomes(), store.session_meta()
     carry = []
     for s in store.sessions():
-        if s.parent_session_id is not None or not s.session_id.startswith("rl-"):
+        meta = metas.get(s.session_id)
+        if s.parent_session_id is not None or meta is None or meta.phase != "rl":
             continue
         if s.session_id in resumed:
             continue

@@ -21,9 +21,9 @@ from functools import partial
 
 from tidal.agent.preempt import LiveEpisodes, LiveGroup
 from tidal.agent.tasks import Task
-from tidal.ledger import LedgerStore, Outcome, Status
+from tidal.ledger import LedgerStore, Outcome, SessionMeta, Status
 from tidal.run.progress import RunLog
-from tidal.run.rollout import Episode, Rollouts, new_session_id, seed_key, session_step
+from tidal.run.rollout import Episode, Rollouts, new_session_id, seed_key
 from tidal.schedule.backend import Work
 from tidal.schedule.curriculum import TaskSignal, sample_batch
 from tidal.schedule.scheduler import Sample, Scheduler
@@ -184,14 +184,19 @@ class RolloutQueue:
             self._submit(k, signal)
 
     def _submit(self, n: int, signal: TaskSignal) -> None:
-        """Queue n task groups; a session id names the step its group was planned for."""
-        works = []
+        """Queue n task groups; each session is recorded with the step its group was
+        planned for, its task and sample index (`SessionMeta`)."""
+        works: list[list[tuple[Task, str]]] = []
+        metas: dict[str, SessionMeta] = {}
         done = len(self._group_sids)
         for i in range(done, done + n):
             step = self._origin + i // self._b + 1
             task = self._draws.next(step, signal)
-            works.append([(task, new_session_id("rl", step, task.task_id, k))
-                          for k in range(self._g)])
+            jobs = [(task, new_session_id("rl", step, task.task_id, k)) for k in range(self._g)]
+            metas.update((sid, SessionMeta("rl", step, task.task_id, k))
+                         for k, (_t, sid) in enumerate(jobs))
+            works.append(jobs)
+        self._rollouts.store.record_meta(metas)  # before any of them runs
         ids = self._sched.submit_many(Work(self._roll, (jobs,)) for jobs in works)
         self._group_sids.update((i, [sid for _, sid in jobs])
                                 for i, jobs in zip(ids, works, strict=True))
@@ -213,9 +218,9 @@ class RolloutQueue:
                 continue
             works.append([(self._tasks[t], sid) for t, sid in grp.jobs])
             keys.append(grp.key)
-            step = session_step(grp.jobs[0][1])
-            if step is not None:
-                self._draws.skip(step, grp.jobs[0][0])
+            meta = self._rollouts.store.session_meta([grp.jobs[0][1]]).get(grp.jobs[0][1])
+            if meta is not None and meta.phase == "rl":
+                self._draws.skip(meta.step, grp.jobs[0][0])
         ids = self._sched.submit_many(Work(self._roll, (jobs,), {"resume": key})
                                       for jobs, key in zip(works, keys, strict=True))
         self._group_sids.update((i, [sid for _, sid in jobs])

@@ -99,12 +99,6 @@ def seed_key(session_id: str) -> str:
     return _RANDOM_PART.sub("", session_id, count=1)
 
 
-def session_step(session_id: str) -> int | None:
-    """The step a `new_session_id` names, or None for another id."""
-    parts = session_id.split("-")
-    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
-
-
 def _episode_sessions(store: LedgerStore, main: str, known: Sequence[str]) -> list[str]:
     """The main session, then every recorded session below it (subagents), then those
     the harness reported that the store does not link (kept for their statuses)."""
@@ -208,6 +202,7 @@ class Rollouts:
                                              "infra_error", 0.0, 0.0, 0,
                                              time.perf_counter() - t0))
         self._keep_log(session_id, result)
+        self._note_subagents(session_id)
         sessions = _episode_sessions(self.store, session_id, list(result.sessions))
         status = result.status if self.store.has_session(session_id) else "infra_error"
         gateway = self.live.replay if self.live is not None and resume else None
@@ -274,6 +269,17 @@ class Rollouts:
         calls = [sc.call for s in sessions for sc in self.store.call_log(s).calls]
         return Episode(task_id, session_id, tuple(sessions), o.status.value, o.reward,
                        o.partial_score, len(calls), 0.0, **_sampled(calls))
+
+    def _note_subagents(self, main: str) -> None:
+        """The episode's subagent sessions get its main session's metadata (the run
+        recorded it before the episode started), each with its parent session."""
+        root = self.store.session_meta([main]).get(main)
+        if root is None:
+            return
+        below = {sid: replace(root, parent=parent)
+                 for sid, parent in self.store.episode_tree(main).items() if parent is not None}
+        if below:
+            self.store.record_meta(below)
 
     def _keep_log(self, session_id: str, result: HarnessResult) -> None:
         if self.log_dir is None or not result.log:
