@@ -15,7 +15,7 @@ from tidal.agent.command import CommandHarness
 from tidal.agent.episode import EpisodeContext, FunctionHarness, HarnessResult
 from tidal.agent.harness import AgentConfig, BuiltinHarness
 from tidal.agent.tasks import FileChecks, FileExists, Task, TaskSet, files_taskset
-from tidal.run import components
+from tidal.run import components, names
 from tidal.run.config import ConfigError, RunConfig, dump_config, load_config, parse_config
 
 TASKS = [Task(f"t{i}", f"do {i}", FileChecks((FileExists("x"),))) for i in range(6)]
@@ -50,13 +50,13 @@ def _cfg(**sections: dict[str, object]) -> RunConfig:
 
 
 def test_module_attr_loads_and_says_what_is_missing(user_module: str) -> None:
-    assert components.load_attr(f"{user_module}:TASKS", "k") is TASKS
-    with pytest.raises(components.ComponentError, match=r"k 'nope_mod:x': cannot import"):
-        components.load_attr("nope_mod:x", "k")
-    with pytest.raises(components.ComponentError, match="has no attribute 'missing'"):
-        components.load_attr(f"{user_module}:missing", "k")
-    assert components.is_attr("a.b:c.d") and not components.is_attr("./tasks")
-    assert not components.is_attr("/srv/tasks") and not components.is_attr("files")
+    assert names.load_attr(f"{user_module}:TASKS", "k") is TASKS
+    with pytest.raises(names.ComponentError, match=r"k 'nope_mod:x': cannot import"):
+        names.load_attr("nope_mod:x", "k")
+    with pytest.raises(names.ComponentError, match="has no attribute 'missing'"):
+        names.load_attr(f"{user_module}:missing", "k")
+    assert names.is_attr("a.b:c.d") and not names.is_attr("./tasks")
+    assert not names.is_attr("/srv/tasks") and not names.is_attr("files")
 
 
 def test_task_sources_resolve_from_builtins_directories_and_module_attr(
@@ -80,11 +80,11 @@ def test_task_sources_resolve_from_builtins_directories_and_module_attr(
         write_task(tmp_path / "mine", f"task-{i}")
     mine = select(str(tmp_path / "mine"), heldout=f"{user_module}:TASKS", train_size=2)
     assert [t.task_id for t in mine.train] == ["task-0", "task-1"] and len(mine.heldout) == 6
-    with pytest.raises(components.ComponentError, match="leaves none to train on"):
+    with pytest.raises(names.ComponentError, match="leaves none to train on"):
         select(str(tmp_path / "mine"), heldout_size=3)
-    with pytest.raises(components.ComponentError, match=r"in both tasks\.source and"):
+    with pytest.raises(names.ComponentError, match=r"in both tasks\.source and"):
         select(f"{user_module}:TASKS", heldout=f"{user_module}:TASKS")
-    with pytest.raises(components.ComponentError, match="must give a TaskSet or a non-empty"):
+    with pytest.raises(names.ComponentError, match="must give a TaskSet or a non-empty"):
         select(f"{user_module}:nothing")
 
 
@@ -124,8 +124,7 @@ def test_harnesses_resolve_by_name(user_module: str) -> None:
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"tasks": {"source": "/nowhere/tasks"}}, "tasks.source '/nowhere/tasks' is not a"),
-        ({"tasks": {"heldout_source": "chess"}}, "tasks.heldout_source 'chess' is not a"),
+        ({"tasks": {"source": ""}}, "tasks.source is empty"),
         ({"tasks": {"name": "chess"}}, "tasks.name 'chess' is not a built-in task set"),
         ({"tasks": {"name": "files", "source": "digits"}}, "disagree"),
         ({"agent": {"harness": "command"}}, "needs agent.command"),
@@ -144,6 +143,23 @@ def test_bad_components_are_refused_naming_the_key(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config(sections)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("tasks", "message"),
+    [
+        ({"source": "/nowhere/tasks"}, "tasks.source '/nowhere/tasks' is not a"),
+        ({"heldout_source": "chess"}, "tasks.heldout_source 'chess' is not a"),
+    ],
+)
+def test_a_missing_task_directory_parses_and_is_refused_at_run_start(
+    tasks: dict[str, object], message: str
+) -> None:
+    """A saved config parses on any machine: the directory is looked for when the run
+    starts, and its absence named there."""
+    cfg = parse_config({"tasks": tasks})  # type: ignore[dict-item]
+    with pytest.raises(names.ComponentError, match=message):
+        components.select_tasks(cfg.tasks, cfg.seed)
 
 
 def test_the_older_tasks_name_reads_and_new_sections_round_trip(tmp_path: Path) -> None:
@@ -166,7 +182,7 @@ def test_trainer_under_torchrun_must_match_its_world_size(
     assert (spec.world_size, spec.state_dir, spec.lora) == (2, None, None)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(components.ComponentError, match=r"train\.world_size = 2 but "
+    with pytest.raises(names.ComponentError, match=r"train\.world_size = 2 but "
                        r"torchrun started 3 ranks"):
         components.make_trainer(spec, run_dir=tmp_path)
 

@@ -26,10 +26,8 @@ when the run starts (`make_*`), with errors that name the key.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import random
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +38,12 @@ from tidal.agent.harbor import GENERATED_SETS, HARBOR_SETS, load_split, load_tas
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import TASK_SETS, Task, TaskError, TaskSet, load_taskset
 from tidal.engine.base import Engine
+from tidal.run.names import (
+    BUILTIN_TASK_SOURCES,
+    ComponentError,
+    is_attr,
+    load_attr,
+)
 from tidal.sandbox import SandboxConfig
 
 if TYPE_CHECKING:
@@ -50,70 +54,25 @@ if TYPE_CHECKING:
     from tidal.schedule.scheduler import Scheduler
     from tidal.train.group import TrainerGroup, TrainerSpec
 
-BUILTIN_TASK_SOURCES: tuple[str, ...] = (*TASK_SETS, *HARBOR_SETS, *GENERATED_SETS)
-BUILTINS: dict[str, tuple[str, ...]] = {
-    "agent.harness": ("builtin", "command"),
-    "rollout.sandbox": ("bwrap", "local"),
-    "engine.kind": ("embedded", "vllm"),
-    "schedule.backend": ("local",),
-}
-_ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
-
 RuntimeFactory = Callable[[SandboxConfig], contextlib.AbstractContextManager[ToolRuntime]]
-
-
-class ComponentError(ValueError):
-    """A component could not be resolved; the message names the config key."""
-
-
-def is_attr(value: str) -> bool:
-    """Whether `value` reads as `module:attr` (not a path: no '/')."""
-    return bool(_ATTR.match(value))
-
-
-def load_attr(spec: str, key: str) -> Any:
-    """Import `module:attr.path` for config key `key`."""
-    if not is_attr(spec):
-        raise ComponentError(f"{key} {spec!r} is not module:attr")
-    mod_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ComponentError(f"{key} {spec!r}: cannot import {mod_name!r}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ComponentError(f"{key} {spec!r}: {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def check_named(key: str, value: str) -> None:
-    """A built-in name of `key`'s seam, or module:attr syntax (imported at run start)."""
-    if value not in BUILTINS[key] and not is_attr(value):
-        raise ValueError(f"{key} {value!r} is neither a built-in ({', '.join(BUILTINS[key])}) "
-                         "nor module:attr")
-
-
 def check_task_source(value: str, key: str) -> None:
+    """At run start: a task source that is no built-in set nor module:attr must be an
+    existing directory."""
     if value in BUILTIN_TASK_SOURCES or is_attr(value):
         return
-    if not Path(value).is_dir():
-        raise ValueError(f"{key} {value!r} is not a built-in task set "
-                         f"({', '.join(BUILTIN_TASK_SOURCES)}), an existing directory of "
-                         "Harbor tasks, nor module:attr")
-
-
-def check_harness(harness: str, command: str) -> None:
-    check_named("agent.harness", harness)
-    if harness == "command" and not command.strip():
-        raise ValueError("agent.harness = \"command\" needs agent.command (the command line "
-                         "to run in the sandbox)")
-    if harness != "command" and command.strip():
-        raise ValueError(f"agent.command is only used with agent.harness = \"command\" "
-                         f"(harness is {harness!r})")
+    try:
+        found = Path(value).is_dir()
+    except OSError as e:  # a path the system refuses to look at (too long)
+        raise ComponentError(f"{key}: {e.strerror}") from None
+    if not found:
+        raise ComponentError(f"{key} {value!r} is not a built-in task set "
+                             f"({', '.join(BUILTIN_TASK_SOURCES)}), an existing directory of "
+                             "Harbor tasks, nor module:attr")
 
 
 # --------------------------------------------------------------------------- tasks
@@ -154,6 +113,10 @@ def select_tasks(cfg: TasksConfig, seed: int) -> Tasks:
     """Training and held-out tasks: from `heldout_source` when given, else the source's
     own split (built-in sets), else a split of `heldout_size` tasks drawn with `seed`;
     then the first `train_size` / `heldout_size` of each."""
+    for key, value in (("tasks.source", cfg.source),
+                       ("tasks.heldout_source", cfg.heldout_source)):
+        if key == "tasks.source" or value:
+            check_task_source(value, key)
     src = load_task_source(cfg.source, seed=seed, key="tasks.source")
     if cfg.heldout_source:
         held = load_task_source(cfg.heldout_source, seed=seed, key="tasks.heldout_source")

@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from tidal.run.names import BUILTIN_TASK_SOURCES, check_harness, check_named, check_task_source
+
 INT_MAX = 2**31 - 1
 """The largest integer a config takes (torch, numpy and C ints downstream all hold it)."""
 _SECONDS_MAX = threading.TIMEOUT_MAX  # the longest wait a thread can be given
@@ -79,8 +81,6 @@ class TasksConfig(_Section):
             return data
         data = dict(data)
         name = data.pop("name")
-        from tidal.run.components import BUILTIN_TASK_SOURCES
-
         if name not in BUILTIN_TASK_SOURCES:
             raise ValueError(f"tasks.name {name!r} is not a built-in task set "
                              f"({', '.join(BUILTIN_TASK_SOURCES)}); use tasks.source for a "
@@ -92,15 +92,7 @@ class TasksConfig(_Section):
 
     @model_validator(mode="after")
     def _sources(self) -> TasksConfig:
-        from tidal.run.components import check_task_source
-
-        for key, value in (("tasks.source", self.source),
-                           ("tasks.heldout_source", self.heldout_source)):
-            if key == "tasks.source" or value:
-                try:
-                    check_task_source(value, key)
-                except OSError as e:  # a path the system refuses to look at (too long)
-                    raise ValueError(f"{key}: {e.strerror}") from None
+        check_task_source(self.source, "tasks.source")
         return self
 
 
@@ -124,7 +116,6 @@ class AgentSection(_Section):
 
     @model_validator(mode="after")
     def _harness(self) -> AgentSection:
-        from tidal.run.components import check_harness
         from tidal.sandbox.types import Bind
 
         check_harness(self.harness, self.command)
@@ -378,8 +369,6 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _possible(self) -> RunConfig:
-        from tidal.run.components import check_named
-
         check_named("rollout.sandbox", self.rollout.sandbox)
         check_named("engine.kind", self.engine.kind)
         check_named("schedule.backend", self.schedule.backend)

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from tidal.run.names import ComponentError, is_attr, load_attr
+
 BACKENDS: dict[str, str] = {  # built-in name -> the package it needs
     "tensorboard": "tensorboard",
     "wandb": "wandb",
@@ -108,17 +110,10 @@ def _number(v: object) -> bool:
 
 
 def check_backends(backends: tuple[str, ...]) -> None:
-    """When the config is read: every name is a built-in whose package is installed, or
-    module:attr syntax (imported when the run starts); no name twice."""
-    from tidal.run.components import is_attr
-
+    """When the config is read: every name is a built-in or module:attr syntax (its
+    package is looked for, or its module imported, when the run starts); no name twice."""
     for name in backends:
-        if name in BACKENDS:
-            package = BACKENDS[name]
-            if importlib.util.find_spec(package) is None:
-                raise ValueError(f"log.backends: {name!r} needs the {package} package, which "
-                                 "is not installed (pip install 'tidal[log]')")
-        elif not is_attr(name):
+        if name not in BACKENDS and not is_attr(name):
             raise ValueError(f"log.backends: {name!r} is neither a built-in "
                              f"({', '.join(BACKENDS)}) nor module:attr")
     if len(set(backends)) != len(backends):
@@ -127,12 +122,14 @@ def check_backends(backends: tuple[str, ...]) -> None:
 
 def resolve(name: str) -> LoggerFactory:
     """The factory behind a backend name."""
-    from tidal.run.components import ComponentError, load_attr
-
     builtin: dict[str, LoggerFactory] = {
         "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MlflowLogger,
     }
     if name in builtin:
+        package = BACKENDS[name]
+        if importlib.util.find_spec(package) is None:
+            raise LoggerError(f"log.backends: {name!r} needs the {package} package, which "
+                              "is not installed (pip install 'tidal[log]')")
         return builtin[name]
     try:
         obj = load_attr(name, "log.backends")

@@ -51,6 +51,7 @@ from tidal.run import components
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
 from tidal.run.loggers import LoggerError, LogStart
+from tidal.run.names import ComponentError, is_attr, load_attr
 from tidal.run.progress import RunLog
 from tidal.run.queue import Batch, RolloutQueue, TaskDraws, close_sessions, cpu_seconds
 from tidal.run.rollout import (
@@ -191,13 +192,13 @@ def resolve(cfg: RunConfig) -> Resolved:
         new_runtime = components.make_runtime_factory(cfg.rollout.sandbox)
         for key, value in (("schedule.backend", cfg.schedule.backend),
                            ("engine.kind", cfg.engine.kind)):
-            if components.is_attr(value):
-                components.load_attr(value, key)
+            if is_attr(value):
+                load_attr(value, key)
         components.check_engine(cfg)
         base_dir = (ensure_tiny(seed=cfg.model.seed) if cfg.model.name == "tiny"
                     else resolve_model(cfg.model.name))
         components.check_trainer(cfg, base_dir, device=components.resolve_device(cfg.model.device))
-    except (TaskError, components.ComponentError) as e:
+    except (TaskError, ComponentError) as e:
         raise RunError(str(e)) from e
     return Resolved(tasks, harness, eval_harness, new_runtime, base_dir)
 
@@ -251,7 +252,7 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
     try:
         trainer = components.make_trainer(
             components.trainer_spec(cfg, weights_dir, ckpt, device=device), run_dir=run_dir)
-    except (components.ComponentError, TrainerRankError) as e:
+    except (ComponentError, TrainerRankError) as e:
         raise RunError(str(e)) from e
     model_name = cfg.model.name if cfg.model.name == "tiny" else base_dir.name
     try:
@@ -259,7 +260,7 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
                                          policy_version=state.policy_version,
                                          model_name=model_name, tokenizer_dir=base_dir,
                                          run_dir=run_dir)
-    except components.ComponentError as e:
+    except ComponentError as e:
         raise RunError(str(e)) from e
     store = LedgerStore(run_dir / "ledger.db")
     # every request seeded from (run seed, session, call): `tidal.gateway.core.call_seed`
