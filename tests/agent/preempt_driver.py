@@ -31,7 +31,7 @@ from typing import Any
 from tests.gateway.scripted_engine import ScriptedEngine
 from tidal.agent.harness import AgentConfig, BuiltinHarness
 from tidal.agent.preempt import LiveEpisodes, SnapshotPolicy
-from tidal.agent.runtime import ExecResult, ToolRuntime
+from tidal.agent.runtime import ToolRuntime
 from tidal.agent.sandboxed import SandboxRuntime
 from tidal.agent.tasks import Grade, Task
 from tidal.engine.base import Generation, SamplingParams
@@ -40,6 +40,7 @@ from tidal.gateway.server import GatewayServer
 from tidal.ledger import LedgerStore
 from tidal.run.rollout import Rollouts
 from tidal.sandbox import Sandbox, SandboxConfig
+from tidal.sandbox.types import ExecResult
 
 TURNS = 6
 SESSION = "rl-1-count-0-abc123"

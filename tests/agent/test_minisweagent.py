@@ -32,7 +32,7 @@ from tidal.agent import minisweagent as minisweagent_module
 from tidal.agent.episode import EpisodeContext, FunctionHarness, HarnessResult, run_task
 from tidal.agent.harness import AgentConfig
 from tidal.agent.minisweagent import MiniSweAgent, TidalEnvironment, run
-from tidal.agent.runtime import ExecResult, LocalDirRuntime, ToolRuntime
+from tidal.agent.runtime import LocalDirRuntime, ToolRuntime
 from tidal.agent.sandboxed import SandboxRuntime, sandboxed_runtime
 from tidal.agent.tasks import FileChecks, FileEquals, Task
 from tidal.engine.tiny import ensure_tiny, load_tokenizer
@@ -42,6 +42,7 @@ from tidal.run.components import make_harness
 from tidal.run.config import parse_config
 from tidal.run.rollout import Rollouts
 from tidal.sandbox import Sandbox, SandboxConfig
+from tidal.sandbox.types import ExecResult
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"

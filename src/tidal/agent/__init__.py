@@ -27,7 +27,7 @@ from tidal.agent.episode import (
     run_task,
 )
 from tidal.agent.harness import AgentConfig, AgentResult, BuiltinHarness, run_agent, run_episode
-from tidal.agent.runtime import ExecResult, LocalDirRuntime, RuntimeToolError, ToolRuntime
+from tidal.agent.runtime import LocalDirRuntime, RuntimeToolError, ToolRuntime
 from tidal.agent.tasks import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_TASKSET,
@@ -45,6 +45,7 @@ from tidal.agent.tasks import (
     taught,
 )
 from tidal.agent.tools import ALL_TOOLS, format_tool_call_text, tool_schemas
+from tidal.sandbox.types import ExecResult
 
 __all__ = [
     "ALL_TOOLS",

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 from tidal.agent.endpoint import session_base_url
-from tidal.agent.runtime import ExecResult, ToolRuntime
+from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import Grade, Task, prepare
+from tidal.sandbox.types import ExecResult, ExecStatus
 
 SessionStatus = Literal["complete", "truncated", "timeout", "aborted", "infra_error"]
 SESSION_STATUSES: tuple[str, ...] = ("complete", "truncated", "timeout", "aborted", "infra_error")
@@ -115,7 +116,8 @@ class DeadlineRuntime:
     ) -> ExecResult:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            return ExecResult(124, "", "the episode's time limit has passed", timed_out=True)
+            return ExecResult(ExecStatus.TIMEOUT, 124, "", "the episode's time limit has passed",
+                              0.0)
         return self.runtime.exec(command, min(timeout_s, left), env=env)
 
     def read_file(self, path: str) -> str:

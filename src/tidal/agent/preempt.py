@@ -44,12 +44,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from tidal.agent.runtime import ExecResult, ToolRuntime
+from tidal.agent.runtime import ToolRuntime
 from tidal.agent.sandboxed import SandboxRuntime
 from tidal.ledger import LedgerStore
 from tidal.ledger.types import Call
 from tidal.sandbox import Sandbox, SandboxConfig
-from tidal.sandbox.types import SandboxError
+from tidal.sandbox.types import ExecResult, SandboxError
 
 GROUP_FILE = "group.json"
 

@@ -24,25 +24,16 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+from tidal.sandbox.types import ExecResult, ExecStatus
 
 
 class RuntimeToolError(ValueError):
     """A runtime request was refused (bad path, bad timeout, not a file, ...)."""
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """The outcome of one command. `exit_code` is 124 when the command timed out."""
-
-    exit_code: int
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-    truncated: bool = False  # some output was cut at the runtime's cap
 
 
 @runtime_checkable
@@ -50,7 +41,8 @@ class ToolRuntime(Protocol):
     """An environment the agent acts in: a shell and a file system.
 
     Contract: `exec` runs `command` with the runtime's shell in its working directory,
-    with `env` added to the runtime's own variables; `read_file` raises
+    with `env` added to the runtime's own variables, and returns the one result type of
+    every runtime (`tidal.sandbox.ExecResult`; exit code 124 when it timed out); `read_file` raises
     `FileNotFoundError` when the file does not exist (the graders rely on that to fail a
     check instead of erroring); `list` returns the entry names of a directory, sorted,
     directories suffixed with "/"; `upload` copies a host file or directory tree (its
@@ -116,7 +108,7 @@ class LocalDirRuntime:
             start_new_session=True,  # own process group, so a timeout kills its children
             env={**os.environ, "HOME": str(self.root), "PWD": str(self.root), **(env or {})},
         )
-        timed_out = False
+        timed_out, t0 = False, time.perf_counter()
         try:
             out_b, err_b = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -127,7 +119,10 @@ class LocalDirRuntime:
         stdout, cut_out = _cap(out_b.decode("utf-8", "replace"), self.output_cap)
         stderr, cut_err = _cap(err_b.decode("utf-8", "replace"), self.output_cap)
         code = 124 if timed_out else proc.returncode
-        return ExecResult(code, stdout, stderr, timed_out=timed_out, truncated=cut_out or cut_err)
+        status = (ExecStatus.TIMEOUT if timed_out
+                  else ExecStatus.OK if code == 0 else ExecStatus.NONZERO_EXIT)
+        return ExecResult(status, code, stdout, stderr, time.perf_counter() - t0,
+                          truncated=cut_out or cut_err)
 
     def read_file(self, path: str) -> str:
         host = self.resolve(path)

@@ -10,11 +10,12 @@ import builtins
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
-from tidal.agent.runtime import ExecResult, RuntimeToolError, ToolRuntime
+from tidal.agent.runtime import RuntimeToolError, ToolRuntime
 from tidal.sandbox import Sandbox, SandboxConfig
-from tidal.sandbox.types import ExecStatus, SandboxPathError
+from tidal.sandbox.types import ExecResult, SandboxPathError
 
 
 class SandboxRuntime:
@@ -29,11 +30,10 @@ class SandboxRuntime:
         self, command: str, timeout_s: float, *, env: Mapping[str, str] | None = None
     ) -> ExecResult:
         r = self.sandbox.exec(command, timeout=timeout_s, env=env)
-        return ExecResult(
-            exit_code=124 if r.status is ExecStatus.TIMEOUT else r.exit_code,
-            stdout=r.stdout, stderr=r.stderr + (f"\n[{r.detail}]" if r.detail else ""),
-            timed_out=r.status is ExecStatus.TIMEOUT, truncated=r.truncated,
-        )
+        # what the agent sees: 124 for a timeout (as `timeout(1)` says it), the reason a
+        # limit ended the command after its stderr
+        return replace(r, exit_code=124 if r.timed_out else r.exit_code,
+                       stderr=r.stderr + (f"\n[{r.detail}]" if r.detail else ""))
 
     def read_file(self, path: str) -> str:
         try:

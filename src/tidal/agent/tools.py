@@ -29,7 +29,8 @@ from typing import Any
 
 from openai.types.chat import ChatCompletionMessage
 
-from tidal.agent.runtime import ExecResult, RuntimeToolError, ToolRuntime
+from tidal.agent.runtime import RuntimeToolError, ToolRuntime
+from tidal.sandbox.types import ExecResult
 
 BASH, READ_FILE, WRITE_FILE, SPAWN_SUBAGENT, FINISH = (
     "bash", "read_file", "write_file", "spawn_subagent", "finish",

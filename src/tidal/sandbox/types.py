@@ -106,6 +106,11 @@ class ExecResult:
     def limit_hit(self) -> bool:
         return self.status in LIMIT_STATUSES
 
+    @property
+    def timed_out(self) -> bool:
+        """The command ran past its wall-clock limit (and was killed)."""
+        return self.status is ExecStatus.TIMEOUT
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "status": self.status.value, "exit_code": self.exit_code,
