@@ -23,6 +23,14 @@ fraction of importance weights clipped); the step's seconds; and the cost ratios
                                          [--tasks 4] [--group 4] [--turns 4]
                                          [--max-tokens 48] [--prompt 300] [--threads 2]
                                          [--prefix-cache-mb 256]
+
+On a GPU (bench/gpu_check.sh): `--device cuda --dtype bfloat16` runs engine and trainer
+there; `--keep-workload` gives the 0.5B-shaped model the workload of the flags instead
+of the small CPU one; `--probe` first checks, on that device and dtype, which of the
+forward's pieces give a row the same bits whatever else is in the batch (plain matmul,
+`tiled_linear`, RMSNorm, log-softmax over the vocabulary, `block_attention`; the tile
+and query-chunk sizes `tile_sizes`/`chunk_sizes` accept there), which says where a
+non-zero KL would come from; `--out FILE` keeps what was measured after each model.
 """
 
 from __future__ import annotations
@@ -112,8 +120,8 @@ def rollout_all(numerics: str, args: argparse.Namespace, directory: Path) -> dic
     prompts = [np.random.default_rng(100 + t).integers(0, 5000, size=args.prompt).tolist()
                for t in range(args.tasks)]
     sessions: dict[tuple[int, int], list[tuple[list[int], Any]]] = {}
-    with EmbeddedEngine(directory, numerics=numerics, seed=0,
-                        prefix_cache_mb=args.prefix_cache_mb) as eng:
+    with EmbeddedEngine(directory, numerics=numerics, seed=0, device=args.device,
+                        dtype=args.dtype, prefix_cache_mb=args.prefix_cache_mb) as eng:
         eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
 
         def run(t: int, g: int) -> None:
@@ -129,27 +137,89 @@ def rollout_all(numerics: str, args: argparse.Namespace, directory: Path) -> dic
         return {"sessions": sessions, "seconds": time.perf_counter() - t0}
 
 
-def train_once(numerics: str, sessions: dict[tuple[int, int], Any], directory: Path) -> Any:
+def train_once(numerics: str, sessions: dict[tuple[int, int], Any], directory: Path,
+               args: argparse.Namespace) -> Any:
     """One `TreeTrainer.step` on the sessions' trees from the checkpoint's weights."""
     from tidal.engine.model import load_policy_model
     from tidal.train import LossConfig, TreeTrainer
 
     trees = [session_tree(f"t{t}-{g}", calls, f"task{t}", 1.0 if g % 2 else -1.0)
              for (t, g), calls in sorted(sessions.items())]
-    model = load_policy_model(directory)
+    model = load_policy_model(directory, device=args.device, dtype=args.dtype)
     trainer = TreeTrainer(
         model, torch.optim.AdamW(model.parameters(), lr=1e-4), LossConfig(),
         attention="consistent" if numerics == "consistent" else "auto",
     )
+    _sync(args.device)
     t0 = time.perf_counter()
     m = trainer.step(trees)
+    _sync(args.device)
     return m, time.perf_counter() - t0
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def invariance_probe(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Which pieces of the forward give row i the same bits alone as among others, on
+    this device and dtype (the model's own weights): row 0 of n rows against row 0 run
+    alone (n = 1), and the first 3 rows against the same rows among 256."""
+    from tidal.engine import consistent as c
+    from tidal.engine.model import load_policy_model
+
+    model = load_policy_model(directory, device=args.device, dtype=args.dtype)
+    cm = c.ConsistentModel(model)
+    dev, dtype = torch.device(args.device), model.dtype
+    layer = cm.layers[0]
+    w = layer.mlp.up_proj.weight
+    gen = torch.Generator().manual_seed(0)
+    hidden = model.config.hidden_size
+    x = torch.randn(256, hidden, generator=gen).to(dev, dtype)
+    head = model.get_output_embeddings().weight
+
+    def same(fn: Any) -> dict[str, bool]:
+        with torch.no_grad():
+            full = fn(x)
+            return {f"rows_{n}": bool(torch.equal(fn(x[:n]), full[:n])) for n in (1, 3, 16, 64)}
+
+    out: dict[str, Any] = {
+        "plain_matmul": same(lambda a: torch.nn.functional.linear(a, w)),
+        "tiled_linear": same(lambda a: c.tiled_linear(a, w)),
+        "rms_norm": same(lambda a: c.rms_norm(a, layer.input_layernorm.weight, cm.eps)),
+        "vocab_log_softmax": same(
+            lambda a: c.tiled_linear(a, head).float().log_softmax(-1)),
+        "tile_sizes_up_proj": list(c.tile_sizes(w, None)),
+        "tile_sizes_head": list(c.tile_sizes(head, None)),
+        "chunk_sizes": list(c.chunk_sizes(cm.n_heads, cm.n_kv, cm.head_dim, dtype, dev)),
+    }
+    # attention: 3 queries over 300 keys, alone and among 64 others
+    n_keys = 300
+    width = n_keys + (-n_keys) % c.KEY_BLOCK
+    q = torch.randn(67, cm.n_heads, cm.head_dim, generator=gen).to(dev, dtype)
+    k, v = (torch.randn(n_keys, cm.n_kv, cm.head_dim, generator=gen).to(dev, dtype)
+            for _ in range(2))
+    keys = torch.arange(width, device=dev).clamp(max=n_keys - 1)[None].expand(67, -1)
+    lens = torch.randint(1, n_keys + 1, (67,), generator=gen).to(dev)
+
+    def attn(m: int) -> torch.Tensor:
+        lists = c.KeyLists(keys[:m].contiguous(), torch.arange(m, device=dev), lens[:m])
+        with torch.no_grad():
+            return c.block_attention(q[:m], k, v, lists, cm.scale)
+
+    full = attn(67)
+    out["block_attention"] = {f"rows_{m}": bool(torch.equal(attn(m), full[:m]))
+                              for m in (1, 3, 16, 64)}
+    del model
+    return out
 
 
 def measure_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Both modes on one model, `--repeats` times each, the modes alternating (so slow
     spells of a shared machine fall on both); times are medians."""
     directory = model_dir(name)
+    probe = invariance_probe(directory, args) if args.probe else None
     modes = ("standard", "consistent")
     rollouts: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     steps: dict[str, list[tuple[Any, float]]] = {m: [] for m in modes}
@@ -158,9 +228,13 @@ def measure_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             rollouts[mode].append(rollout_all(mode, args, directory))
     for _ in range(args.repeats):
         for mode in modes:
-            steps[mode].append(train_once(mode, rollouts[mode][0]["sessions"], directory))
+            steps[mode].append(train_once(mode, rollouts[mode][0]["sessions"], directory,
+                                          args))
     out: dict[str, Any] = {"workload": {k: getattr(args, k) for k in
-                                        ("tasks", "group", "turns", "max_tokens", "prompt")}}
+                                        ("tasks", "group", "turns", "max_tokens", "prompt")},
+                           "device": args.device, "dtype": args.dtype}
+    if probe is not None:
+        out["invariance_probe"] = probe
     for mode in modes:
         sessions = rollouts[mode][0]["sessions"]
         rollout_s = float(np.median([r["seconds"] for r in rollouts[mode]]))
@@ -206,6 +280,13 @@ def main() -> None:
                     help="runs of each mode on the tiny model (the 0.5B-shaped one: at most 2)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256.0,
                     help="the engine's prefix cache (0: off, every call prefills its prompt)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--keep-workload", action="store_true",
+                    help="the 0.5B-shaped model runs the flags' workload, not the CPU one")
+    ap.add_argument("--probe", action="store_true",
+                    help="check which kernels are batch-invariant on this device first")
+    ap.add_argument("--out", type=Path, default=None, help="rewritten after every model")
     args = ap.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = sorted(set(names) - set(MODELS))
@@ -213,12 +294,15 @@ def main() -> None:
         ap.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
 
     torch.set_num_threads(args.threads)
-    out: dict[str, Any] = {"bench": "consistent_numerics", "config": vars(args), "models": {}}
+    out: dict[str, Any] = {"bench": "consistent_numerics",
+                           "config": vars(args) | {"out": None}, "models": {}}
     for name in names:
         margs = argparse.Namespace(**vars(args))
-        if name != "tiny":
+        if name != "tiny" and not args.keep_workload:
             vars(margs).update(QWEN05_WORKLOAD, repeats=min(args.repeats, 2))
         out["models"][name] = measure_model(name, margs)
+        if args.out is not None:
+            args.out.write_text(json.dumps(out, indent=2))
         print(json.dumps({name: {k: out["models"][name][k]
                                  for k in ("rollout_cost", "train_step_cost")}}),
               file=sys.stderr, flush=True)

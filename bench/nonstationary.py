@@ -11,7 +11,7 @@ start and at the end of a run. This benchmark simulates, at 64 to 1024 devices:
   beside the stationary workload for reference;
 - decode that speeds up as a rollout device empties (`--decode-speedup`, the share of a
   full device's decode step that grows with the batch; `SimConfig.decode_speedup`);
-- migration at the cost measured here (`tidal.schedule.compare.MEASURED_MIGRATE_S`).
+- migration at the cost measured here (`tidal.schedule.types.MIGRATE_S`).
 
 Every row is one `tidal.schedule.compare.compare` run with `refine_split=True`: the
 fixed-split baseline is the fastest split found by a hill climb on that very workload
@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.schedule.compare import MEASURED_MIGRATE_S, Scenario, compare
+from tidal.schedule.compare import Scenario, compare
 from tidal.schedule.policy import FixedSplitPolicy
 from tidal.schedule.sim import simulate
+from tidal.schedule.types import MIGRATE_S
 from tidal.schedule.workload import (
     GROWTH_SHAPES,
     DriftingWorkload,
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="linear", choices=GROWTH_SHAPES)
     ap.add_argument("--decode-speedup", type=float, default=0.3,
                     help="share of a full device's decode step that grows with the batch")
-    ap.add_argument("--migrate-s", type=float, default=MEASURED_MIGRATE_S,
+    ap.add_argument("--migrate-s", type=float, default=MIGRATE_S,
                     help="seconds one session migration costs")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

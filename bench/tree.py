@@ -1,7 +1,7 @@
 """Benchmark of the trajectory processor (tidal.tree): prints JSON.
 
 Writes one 500-call episode (main agent with parallel tool calls, subagent sessions and
-compaction; `tidal.tree.synth.write_long_session`) into a real SQLite ledger at 250K,
+compaction; `tests.tree.synth.write_long_session`) into a real SQLite ledger at 250K,
 500K and 1M stored tokens (writing is not timed), then times reading the ledger plus
 processing it into TrainTrees (`process_store`, defaults and compaction samples on).
 
@@ -19,15 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
-from tidal.ledger.store import LedgerStore
-from tidal.tree.episode import load_sessions
-from tidal.tree.process import process_sessions, process_store
-from tidal.tree.synth import LongSessionSpec, SynthWriter, write_long_session
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tests.tree.synth: the synthetic sessions of the tests
+
+from tests.tree.synth import LongSessionSpec, SynthWriter, write_long_session  # noqa: E402
+
+from tidal.ledger.store import LedgerStore  # noqa: E402
+from tidal.tree.episode import load_sessions  # noqa: E402
+from tidal.tree.process import process_sessions, process_store  # noqa: E402
 
 
 def measure(path: Path, repeats: int, compaction_samples: bool) -> dict[str, float | int]:

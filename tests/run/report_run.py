@@ -1,7 +1,7 @@
 """A run directory for report tests, written the way `tidal run` writes one: metrics
 rows through `RunLog` (as the loop's rows: warm start, evaluations, RL steps), the
 config, summary.json, and tree pages of a real ledger episode with subagents, parallel
-calls and compaction (`tidal.tree.synth`), drawn by `tidal.tree.html`."""
+calls and compaction (`tests.tree.synth`), drawn by `tidal.tree.html`."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import random
 from pathlib import Path
 from typing import Any
 
+from tests.tree.synth import LongSessionSpec, SynthWriter, write_long_session
 from tidal.ledger.store import LedgerStore
 from tidal.run.config import dump_config, parse_config
 from tidal.run.progress import RunLog
 from tidal.tree import process_store
 from tidal.tree.html import render_episode_html
-from tidal.tree.synth import LongSessionSpec, SynthWriter, write_long_session
 
 SPEC = LongSessionSpec(n_calls=60, tokens=12000, out_tokens=20, subagent_every=10,
                        subagent_calls=3, parallel_every=5, parallel_width=3,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.schedule.sessions import crash_once_session, failing_session, sleep_session
 from tidal.schedule.backend import Work
-from tidal.schedule.demo import crash_once_session, failing_session, sleep_session
 from tidal.schedule.local import LocalBackend
 from tidal.schedule.policy import ColocatedPolicy, ElasticPolicy, FixedSplitPolicy
 from tidal.schedule.scheduler import MiniBatch, Scheduler

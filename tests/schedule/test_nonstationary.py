@@ -22,10 +22,10 @@ from click.testing import CliRunner
 from typer.main import get_command
 
 from tidal.cli import app
-from tidal.schedule.compare import MEASURED_MIGRATE_S, Scenario, compare
+from tidal.schedule.compare import Scenario, compare
 from tidal.schedule.policy import ColocatedPolicy, ElasticPolicy, FixedSplitPolicy
 from tidal.schedule.sim import SimConfig, simulate
-from tidal.schedule.types import PoolConfig
+from tidal.schedule.types import MIGRATE_S, PoolConfig
 from tidal.schedule.workload import (
     DriftingWorkload,
     EmpiricalWorkload,
@@ -225,7 +225,7 @@ def test_decode_speedup_is_exact_with_migrations(policy: str) -> None:
 def test_deterministic_with_drift_speedup_and_migration() -> None:
     wl = DriftingWorkload(LognormalWorkload(sigma=1.0), growth=3.0, over_sessions=120)
     pool = PoolConfig(n_devices=6, batch_size=24, slots_per_device=4, max_staleness=1,
-                      migration=True, migrate_s=MEASURED_MIGRATE_S)
+                      migration=True, migrate_s=MIGRATE_S)
     cfg = SimConfig(pool=pool, target_samples=120, train_s_per_token=3e-4,
                     decode_speedup=0.3)
     a = simulate(ElasticPolicy(), wl, cfg, seed=9, trace=True)
@@ -240,7 +240,7 @@ def test_deterministic_with_drift_speedup_and_migration() -> None:
 def test_refined_best_split_has_no_faster_neighbour() -> None:
     wl = DriftingWorkload(LognormalWorkload(), growth=1.5, token_growth=4.0, over_sessions=96)
     r = compare(Scenario(n_devices=12, steps=2, workload=wl, decode_speedup=0.3,
-                         migrate_s=MEASURED_MIGRATE_S, refine_split=True))
+                         migrate_s=MIGRATE_S, refine_split=True))
     a = r["policies"]["async"]
     tried = {int(k): v for k, v in a["splits_tried"].items()}
     best = a["n_train"]
@@ -282,7 +282,7 @@ def test_bench_prints_json_and_a_table(capsys: pytest.CaptureFixture[str]) -> No
     assert start["split"] == still["best_split"]
     assert start["samples_per_hour"] <= row["samples_per_hour"]["async"] or (
         str(start["n_train"]) not in row["compare"]["policies"]["async"]["splits_tried"])
-    assert doc["settings"]["migrate_s"] == MEASURED_MIGRATE_S
+    assert doc["settings"]["migrate_s"] == MIGRATE_S
     assert "| 6 | tokens-outgrow |" in out.err  # with --json the table goes to stderr
 
 

@@ -15,8 +15,8 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
+from tests.schedule.sessions import sleep_session  # noqa: E402
 from tidal.schedule.backend import Work  # noqa: E402
-from tidal.schedule.demo import sleep_session  # noqa: E402
 from tidal.schedule.policy import ElasticPolicy, FixedSplitPolicy  # noqa: E402
 from tidal.schedule.ray_backend import RayBackend  # noqa: E402
 from tidal.schedule.scheduler import Scheduler  # noqa: E402

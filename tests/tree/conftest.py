@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.tree.synth import SynthWriter
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Call, PromptDelta, StoredCall
-from tidal.tree.synth import SynthWriter
 
 
 @pytest.fixture

@@ -9,16 +9,16 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from tidal.cli import app
-from tidal.ledger.store import LedgerStore
-from tidal.ledger.types import Status
-from tidal.tree.synth import (
+from tests.tree.synth import (
     SynthWriter,
     write_compaction,
     write_fanout,
     write_linear,
     write_subagents,
 )
+from tidal.cli import app
+from tidal.ledger.store import LedgerStore
+from tidal.ledger.types import Status
 
 runner = CliRunner()
 

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tests.tree.synth import LongSessionSpec, SynthWriter, write_compaction, write_long_session
 from tidal.cli import app
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Outcome, Status, StoredCall
 from tidal.tree.compaction import required_run, summary_text
 from tidal.tree.episode import Edge, SessionData, build_episode
 from tidal.tree.process import ProcessResult, process_sessions
-from tidal.tree.synth import LongSessionSpec, SynthWriter, write_compaction, write_long_session
 
 from .conftest import stored
 

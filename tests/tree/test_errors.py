@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.tree.synth import SynthWriter, write_linear
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Outcome, Status
 from tidal.tree.episode import SessionData
 from tidal.tree.process import process_sessions, process_store
-from tidal.tree.synth import SynthWriter, write_linear
 from tidal.tree.trie import TreeError
 
 from .conftest import stored
@@ -80,7 +80,7 @@ def test_tree_package_stays_light() -> None:
     import sys
 
     code = (
-        "import sys, tidal.tree, tidal.tree.cli, tidal.tree.html, tidal.tree.synth; "
+        "import sys, tidal.tree, tidal.tree.cli, tidal.tree.html; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'transformers', 'fastapi', 'httpx', 'uvicorn', 'openai')))"
     )

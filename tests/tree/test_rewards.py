@@ -6,10 +6,10 @@ import math
 
 import pytest
 
+from tests.tree.synth import SynthWriter, write_fanout, write_linear
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Status
 from tidal.tree.process import BATCH_GROUP, ProcessResult, process_store, select_paths
-from tidal.tree.synth import SynthWriter, write_fanout, write_linear
 from tidal.tree.weights import group_weight_sums
 
 
@@ -60,7 +60,7 @@ def test_own_reward_keeps_a_prefix_path(store: LedgerStore, writer: SynthWriter)
     c0 = w.call("o", "o0", "main", w.tokens(4), 2, task_id="t", metadata={"reward": 0.25})
     import numpy as np
 
-    from tidal.tree.synth import context
+    from tests.tree.synth import context
 
     w.call("o", "o1", "main", np.concatenate([context(c0), w.tokens(3)]), 2)
     w.outcome("o", Status.COMPLETE, 1.0)

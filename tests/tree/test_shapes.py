@@ -5,11 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tidal.ledger.store import LedgerStore
-from tidal.ledger.types import Status
-from tidal.tree.episode import Edge
-from tidal.tree.process import ProcessResult, process_store
-from tidal.tree.synth import (
+from tests.tree.synth import (
     LongSessionSpec,
     SynthWriter,
     context,
@@ -20,6 +16,10 @@ from tidal.tree.synth import (
     write_retries,
     write_subagents,
 )
+from tidal.ledger.store import LedgerStore
+from tidal.ledger.types import Status
+from tidal.tree.episode import Edge
+from tidal.tree.process import ProcessResult, process_store
 from tidal.tree.types import TrainTree
 from tidal.tree.weights import group_weight_sums, token_weights
 

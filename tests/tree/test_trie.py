@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.tree.synth import SynthWriter, context
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Call
-from tidal.tree.synth import SynthWriter, context
 from tidal.tree.trie import SessionTrie, TreeError, build_trie
 
 from .conftest import stored

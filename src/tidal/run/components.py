@@ -288,11 +288,10 @@ def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
     device trains and restart when it returns, `switch_s` seconds); `mean_group_s` scales
     the elastic policy's time constants. With `schedule.migration`, `migrator` moves live
     task groups off a device that switches to training."""
-    from tidal.schedule.compare import MEASURED_MIGRATE_S
     from tidal.schedule.local import LocalBackend
     from tidal.schedule.policy import policy_named
     from tidal.schedule.scheduler import Scheduler
-    from tidal.schedule.types import PoolConfig
+    from tidal.schedule.types import MIGRATE_S, PoolConfig
 
     s = cfg.schedule
     if s.backend == "local":
@@ -306,7 +305,7 @@ def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
         slots_per_device=s.groups_per_device, max_staleness=cfg.rl.max_staleness,
         rollout_to_train_s=0.0, train_to_rollout_s=switch_s, rate_window_s=mean_group_s / 4,
         # what one live group's migration costs here (bench/preempt.py)
-        migration=s.migration and migrator is not None, migrate_s=MEASURED_MIGRATE_S,
+        migration=s.migration and migrator is not None, migrate_s=MIGRATE_S,
     )
     return Scheduler(backend, policy_named(s.policy, train_devices=s.train_devices,
                                            mean_group_s=mean_group_s), config)

@@ -20,7 +20,7 @@ non-stationary workload (`IndexedWorkloadModel`) the per-sample costs behind the
 estimate and the fluid bound are averaged over the sessions the run trains (the first
 `steps * batch`), not over a fixed 4096.
 
-`MEASURED_MIGRATE_S` is the per-session migration cost measured on this machine
+`tidal.schedule.types.MIGRATE_S` is the per-session migration cost measured on this machine
 (`Scenario.migrate_s` keeps the older 60 s default, so earlier results stand).
 
 Speedups are ratios of samples per hour (the same as ratios of time to the target).
@@ -42,11 +42,6 @@ from tidal.schedule.workload import (
     SessionTable,
     WorkloadModel,
 )
-
-# bench/preempt.py: stop + snapshot (0.01 s), restore (0.03 s) and fast-forward (15.7 s,
-# nearly all of it the harness's openai client rebuilding its 200 requests) of a
-# 200-call session on this machine's 2 cores
-MEASURED_MIGRATE_S = 16.0
 
 TARGETS = {"speedup_vs_colocated": 1.85, "speedup_vs_async": 1.78, "utilization": 0.90}
 

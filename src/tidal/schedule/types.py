@@ -33,6 +33,12 @@ class StalenessRule(enum.StrEnum):
     DOWNWEIGHT = "downweight"
 
 
+# What moving one live task group costs, as the elastic policy weighs a migration: stop
+# and snapshot (0.01 s), restore (0.03 s) and fast-forward (15.7 s, nearly all of it the
+# harness's openai client rebuilding its 200 requests) of a 200-call session, measured by
+# bench/preempt.py on 2 cores. The simulator compares policies at this cost too.
+MIGRATE_S = 16.0
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """What a policy may assume about the pool. Shared by simulator and real backends.

@@ -53,12 +53,12 @@ class Ranks:
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over ranks, in place (the identity on one rank)."""
         if self.distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            _all_reduce(t, dist.ReduceOp.SUM)
         return t
 
     def max_(self, t: torch.Tensor) -> torch.Tensor:
         if self.distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            _all_reduce(t, dist.ReduceOp.MAX)
         return t
 
     def max_int(self, n: int) -> int:
@@ -68,8 +68,9 @@ class Ranks:
         """Every rank's value, in rank order (on every rank)."""
         if not self.distributed:
             return [x]
-        out = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
-        dist.all_gather(out, torch.tensor([x], dtype=torch.float64))
+        dev = _collective_device(torch.device("cpu"))
+        out = [torch.zeros(1, dtype=torch.float64, device=dev) for _ in range(self.world)]
+        dist.all_gather(out, torch.tensor([x], dtype=torch.float64, device=dev))
         return [float(t[0]) for t in out]
 
     def broadcast(self, obj: Any) -> Any:
@@ -79,6 +80,27 @@ class Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def _collective_device(device: torch.device) -> torch.device:
+    """Where a tensor on `device` must be for the default group's collectives: NCCL
+    (`train.world_size > 1` on CUDA) moves only CUDA tensors, so a CPU tensor goes
+    through this rank's GPU; gloo, or a group with a CPU backend, takes it as it is."""
+    if device.type == "cpu" and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> None:
+    """`dist.all_reduce(t, op)` in place, for a CPU tensor on NCCL too (the trainer's
+    metric sums and counts are CPU tensors)."""
+    dev = _collective_device(t.device)
+    if dev == t.device:
+        dist.all_reduce(t, op=op)
+        return
+    u = t.to(dev)
+    dist.all_reduce(u, op=op)
+    t.copy_(u)
 
 
 def _start_key(tree: TrainTree) -> bytes:

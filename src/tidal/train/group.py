@@ -279,7 +279,8 @@ class TrainerGroup:
         import torch.distributed as dist
 
         backend = "nccl" if spec.device == "cuda" else "gloo"
-        timeout = timedelta(seconds=spec.timeout_s)
+        _rank_device(spec, Ranks(0, spec.world_size))  # NCCL: this rank's GPU, set before
+        timeout = timedelta(seconds=spec.timeout_s)  # the first collective (the spec's)
         if self.launch == "attached":  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
             dist.init_process_group(backend, timeout=timeout)
             self._store = dist.distributed_c10d._get_default_store()
@@ -531,6 +532,9 @@ def serve(spec: TrainerSpec, rank: int, world: int, host: str | None = None,
     import torch.distributed as dist
 
     backend = "nccl" if spec.device == "cuda" else "gloo"
+    # NCCL: the rank's own GPU before its first collective (the broadcast of each
+    # operation's arguments), else every rank would use cuda:0
+    _rank_device(spec, Ranks(rank, world))
     timeout = timedelta(seconds=spec.timeout_s)
     if host is None or port is None:
         dist.init_process_group(backend, timeout=timeout)

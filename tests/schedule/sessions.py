@@ -1,4 +1,4 @@
-"""Small picklable rollout work for tests, the benchmark and demos (no model needed).
+"""Small picklable rollout work for the scheduler's tests (no model needed).
 
 Each function stands in for one agent session: it sleeps or computes, then returns a
 `RolloutResult` tagged with the policy version it started under.
