@@ -44,6 +44,7 @@ import tomllib
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,8 @@ from tidal.agent.tasks import EnvironmentSpec, Grade, Oracle, Step, Task, TaskEr
 from tidal.agent.tools import ALL_TOOLS, FINISH
 
 TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-# built-in task sets in this format, by name (src/tidal/agent/tasksets/)
-HARBOR_SETS: dict[str, Path] = {"swe-mini": Path(__file__).parent / "tasksets" / "swe_mini"}
+# built-in task sets in this format, by name: data shipped beside the code (src/tidal_tasksets/)
+HARBOR_SETS: dict[str, Path] = {"swe-mini": Path(str(files("tidal_tasksets") / "swe_mini"))}
 # built-in sets generated on first use (into the cache), with their own train/ and
 # heldout/ splits: name -> the function that returns the set's directory
 def _shell_skills() -> Path:
