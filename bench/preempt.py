@@ -5,7 +5,7 @@ seconds to snapshot, restore and fast-forward a 200-call session, and what perio
 snapshots add to a run. This bench measures them on the real stack: the built-in harness
 talks to a `GatewayServer` on loopback, calls are recorded in a real ledger, commands run
 in a real bubblewrap sandbox, `LiveEpisodes` snapshots it on its background thread, and
-`Rollouts.group(..., resume=key)` resumes it. Only the model is scripted
+`LiveRollouts.group(..., resume=key)` resumes it. Only the model is scripted
 (tests/gateway/scripted_engine.py, temperature 0): a deterministic policy whose call k
 (k <= N) is the k-th bash command and whose call N+1 is finish. Command k appends to
 log.txt a line that counts the lines before it, writes a 3.6 KB file, every 5th command
@@ -28,7 +28,7 @@ says what each one is):
 - fast_forward: a child process runs the episode (a snapshot every 10 calls) and, inside
   the engine's call N+1 (before it is recorded), takes one more snapshot and sleeps; it
   is SIGKILLed there. Each repeat resumes a copy of its ledger and live directory in this
-  process: the time from `Rollouts.group(..., resume=key)` until the engine is first asked
+  process: the time from `LiveRollouts.group(..., resume=key)` until the engine is first asked
   for a call (all N recorded calls replayed), the whole resumed episode, the calls the
   engine generated (1: the unrecorded finish) and the calls recorded twice (0);
 - tidal_run (--tidal-run, about 2 minutes more): two short `tidal run`s of the tiny
@@ -89,6 +89,7 @@ from tidal.gateway.server import GatewayServer  # noqa: E402
 from tidal.gateway.verify import verify_store  # noqa: E402
 from tidal.ledger import LedgerStore  # noqa: E402
 from tidal.run.config import dump_config, parse_config  # noqa: E402
+from tidal.run.live import LiveRollouts  # noqa: E402
 from tidal.run.rollout import Episode, Rollouts  # noqa: E402
 from tidal.sandbox import Sandbox, SandboxConfig, Snapshot  # noqa: E402
 
@@ -101,7 +102,7 @@ MEANING = {
             "grading, outcome) with LiveEpisodes but snapshot_every=0, every_s=0: wall and "
             "CPU seconds (CPU: this process's threads and its reaped children), and where "
             "the median run's seconds went (breakdown)",
-    "no_live": "the same episode with Rollouts(live=None): nothing saved at all",
+    "no_live": "the same episode on plain Rollouts (no LiveRollouts): nothing saved at all",
     "periodic": "the same episode snapshotting every 10 / every 1 model calls (every_s=0): "
                 "wall and CPU seconds, added over live (medians); LiveEpisodes.snapshots and "
                 "snapshot_s of the median run, and how snapshot_s splits: snapshot_wait_s "
@@ -124,7 +125,7 @@ MEANING = {
                "the restored layer; close_s: its close",
     "fast_forward": "resume of an episode SIGKILLed inside its call N+1 (N calls recorded, "
                     "no outcome, a snapshot taken after command N): to_last_recorded_s is "
-                    "from Rollouts.group(resume=key) until the engine is first asked for a "
+                    "from LiveRollouts.group(resume=key) until the engine is first asked for a "
                     "call (sandbox restored, the N calls answered from the ledger, the N "
                     "commands from the snapshot's log); episode_s the whole resumed episode; "
                     "generated the engine's calls during the resume (1: the unrecorded "
@@ -378,8 +379,9 @@ class Bench:
                     {"snapshots": live.snapshots, "snapshot_s": live.snapshot_s}))
             engine.on_stall = on_stall
 
-        rollouts = Rollouts(srv.base_url, "scripted", self.harness, runtime, store,
-                            time_limit_s=3600.0, live=live, forget=srv.gateway.forget_session)
+        plain = Rollouts(srv.base_url, "scripted", self.harness, runtime, store,
+                         time_limit_s=3600.0, forget=srv.gateway.forget_session)
+        rollouts = plain if live is None else LiveRollouts(plain, live)
         try:
             c0, t0 = cpu_s(), time.perf_counter()
             wall, cpu, result = self._group(rollouts, live, resume, t0, c0)
@@ -393,10 +395,10 @@ class Bench:
                       live.snapshots if live else 0, live.snapshot_s if live else 0.0,
                       snaps, snap_path if snaps else None, timers.figures())
 
-    def _group(self, rollouts: Rollouts, live: LiveEpisodes | None, resume: bool,
-               t0: float, c0: float) -> tuple[float, float, Any]:
+    def _group(self, rollouts: Rollouts | LiveRollouts, live: LiveEpisodes | None,
+               resume: bool, t0: float, c0: float) -> tuple[float, float, Any]:
         if resume:
-            assert live is not None
+            assert live is not None and isinstance(rollouts, LiveRollouts)
             (group,) = live.pending()
             result = rollouts.group([(self.task, sid) for _t, sid in group.jobs],
                                     base_version=0, resume=group.key)
@@ -642,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3)")
     ap.add_argument("--quick", action="store_true", help="20 calls, 1 repeat")
     ap.add_argument("--no-live", action="store_true",
-                    help="also time the episode without LiveEpisodes (Rollouts(live=None))")
+                    help="also time the episode on plain Rollouts (no LiveEpisodes)")
     ap.add_argument("--tidal-run", action="store_true",
                     help="also time two short `tidal run`s (snapshot_every 1 vs 0)")
     ap.add_argument("--json", action="store_true",

@@ -38,6 +38,7 @@ from tidal.engine.base import Generation, SamplingParams
 from tidal.engine.tiny import ensure_tiny, load_tokenizer
 from tidal.gateway.server import GatewayServer
 from tidal.ledger import LedgerStore
+from tidal.run.live import LiveRollouts
 from tidal.run.rollout import Rollouts
 from tidal.sandbox import Sandbox, SandboxConfig
 from tidal.sandbox.types import ExecResult
@@ -111,7 +112,7 @@ class Parts:
     store: LedgerStore
     server: GatewayServer
     live: LiveEpisodes
-    rollouts: Rollouts
+    rollouts: LiveRollouts
     task: Task
 
     def close(self) -> None:
@@ -138,8 +139,8 @@ def build(out: Path, stall: tuple[str, int] | None) -> Parts:
             yield StallingRuntime(sb, stall, marker)
 
     cfg = AgentConfig(max_turns=TURNS + 3, tools=("bash", "read_file", "finish"), temperature=0)
-    rollouts = Rollouts(srv.base_url, "scripted", BuiltinHarness(cfg), runtime, store,
-                        live=live, forget=srv.gateway.forget_session)
+    rollouts = LiveRollouts(Rollouts(srv.base_url, "scripted", BuiltinHarness(cfg), runtime,
+                                     store, forget=srv.gateway.forget_session), live)
     return Parts(engine, store, srv, live, rollouts,
                  Task("count", "Count to six in log.txt.", FilesGrader()))
 

@@ -128,7 +128,7 @@ def test_a_preempted_group_moves_and_resumes_in_the_same_process(
     episode ends as the uninterrupted one did, each call recorded once."""
     import threading
 
-    from tidal.run.rollout import GroupPreempted
+    from tidal.run.live import GroupPreempted
 
     parts = build(tmp_path, stall=None)
     try:

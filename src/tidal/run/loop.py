@@ -50,13 +50,13 @@ from tidal.ledger import LedgerStore, SessionMeta
 from tidal.run import components
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
 from tidal.run.config import RunConfig, dump_config
+from tidal.run.live import LiveRollouts, RolloutMigrator
 from tidal.run.loggers import LoggerError, LogStart
 from tidal.run.names import ComponentError, is_attr, load_attr
 from tidal.run.progress import RunLog
 from tidal.run.queue import Batch, RolloutQueue, TaskDraws, close_sessions, cpu_seconds
 from tidal.run.rollout import (
     Episode,
-    RolloutMigrator,
     Rollouts,
     new_session_id,
     seed_key,
@@ -91,6 +91,7 @@ class Parts:
     train_tasks: list[Task]
     heldout: list[Task]
     rollouts: Rollouts
+    live: LiveRollouts  # RL's task groups, saved as they run (preemption)
     evals: Rollouts
     trainer: TrainerGroup
     log: RunLog
@@ -154,8 +155,7 @@ class Parts:
         return rate
 
     def close(self) -> None:
-        if self.rollouts.live is not None:
-            self.rollouts.live.close()
+        self.live.episodes.close()
         self.gateway.stop()
         self.engine.close()
         self.trainer.close()
@@ -280,11 +280,12 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
         url, model_name, harness, new_runtime, store, sandbox=sandbox,
         environments=environments, default_time_limit_s=cfg.tasks.time_limit_s,
         time_limit_s=cfg.agent.timeout_sec or None, log_dir=run_dir / "harness",
-        forget=gateway.gateway.forget_session, live=live,
+        forget=gateway.gateway.forget_session,
     )
     evals = replace(rollouts, harness=eval_harness)
     return Parts(cfg, run_dir, tokenizer, engine, store, gateway,
-                 list(tasks.train), list(tasks.heldout), rollouts, evals, trainer,
+                 list(tasks.train), list(tasks.heldout), rollouts,
+                 LiveRollouts(rollouts, live, keep=True), evals, trainer,
                  log, t_start, state.elapsed_s)
 
 
@@ -433,7 +434,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
                 sched=queue.summary(),
                 sampled=_sampled(batch.episodes),
                 engine={"weight_sync_s": sync_s, **parts.engine_metrics()},
-                trainer={**parts.trainer.metrics(), **_snapshot_figures(parts.rollouts.live)},
+                trainer={**parts.trainer.metrics(), **_snapshot_figures(parts.live.episodes)},
                 ledger_rows_read=parts.ledger_rows_read(),
             ))
             log.advance("rl")
@@ -450,16 +451,15 @@ def rollout_queue(parts: Parts, state: RunState) -> tuple[RolloutQueue, list[Liv
     outcome are closed; those committed and never trained are carried into the first
     batch."""
     cfg = parts.cfg
-    live = parts.rollouts.live
-    resumed = live.pending() if live is not None else []
+    resumed = parts.live.episodes.pending()
     carry = _recover(parts.store, state, {sid for grp in resumed for _t, sid in grp.jobs})
     sched = components.make_scheduler(cfg, **_switching(parts.engine, cfg),
-                                      migrator=RolloutMigrator(parts.rollouts))
+                                      migrator=RolloutMigrator(parts.live))
     pool = rl_task_pool(parts.train_tasks, state.demonstrated, cfg.rollout.task_pool)
     draws = TaskDraws(pool, seed=cfg.seed, batch=cfg.rollout.tasks_per_step,
                       sampling=cfg.rollout.task_sampling)
     queue = RolloutQueue(
-        sched, parts.rollouts, draws, steps=cfg.rl.steps - state.step, first_step=state.step,
+        sched, parts.live, draws, steps=cfg.rl.steps - state.step, first_step=state.step,
         tasks_per_step=cfg.rollout.tasks_per_step, group_size=cfg.rollout.group_size,
         max_staleness=cfg.rl.max_staleness, base_version=state.policy_version,
         trained=set(state.trained_sessions) | set(state.dropped_sessions), carry=carry,
@@ -634,12 +634,10 @@ def _step_row(
     }
 
 
-def _snapshot_figures(live: LiveEpisodes | None) -> dict[str, Any]:
+def _snapshot_figures(live: LiveEpisodes) -> dict[str, Any]:
     """Live-episode snapshots so far in this process: how many, and the seconds they took
     (waiting for a running command to end included; a snapshot holds up only a harness
     operation that starts while it is written)."""
-    if live is None:
-        return {}
     return {"snapshots": live.snapshots, "snapshot_s": round(live.snapshot_s, 3)}
 
 

@@ -19,11 +19,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from tidal.agent.preempt import LiveEpisodes, LiveGroup
+from tidal.agent.preempt import LiveGroup
 from tidal.agent.tasks import Task
 from tidal.ledger import LedgerStore, Outcome, SessionMeta, Status
+from tidal.run.live import LiveRollouts
 from tidal.run.progress import RunLog
-from tidal.run.rollout import Episode, Rollouts, new_session_id, seed_key
+from tidal.run.rollout import Episode, new_session_id, seed_key
 from tidal.schedule.backend import Work
 from tidal.schedule.curriculum import TaskSignal, sample_batch
 from tidal.schedule.scheduler import Sample, Scheduler
@@ -105,14 +106,14 @@ class RolloutQueue:
     batches, and call `trained` once a batch's step is checkpointed and `refill` once
     the step is over."""
 
-    def __init__(self, sched: Scheduler, rollouts: Rollouts, draws: TaskDraws, *,
+    def __init__(self, sched: Scheduler, rollouts: LiveRollouts, draws: TaskDraws, *,
                  steps: int, first_step: int, tasks_per_step: int, group_size: int,
                  max_staleness: int, base_version: int, trained: set[str],
                  carry: Sequence[str], tasks: Sequence[Task], log: RunLog) -> None:
-        self._sched, self._rollouts, self._draws = sched, rollouts, draws
-        self._live: LiveEpisodes | None = rollouts.live
-        self._roll = partial(rollouts.group, base_version=base_version,
-                             keep=self._live is not None)
+        self._sched, self._draws = sched, draws
+        self._store = rollouts.rollouts.store
+        self._live = rollouts.episodes
+        self._roll = partial(rollouts.group, base_version=base_version)
         self._b, self._g, self._k = tasks_per_step, group_size, max_staleness
         self._origin = first_step  # the step this attempt starts from
         self._step, self._steps = first_step, steps
@@ -159,9 +160,8 @@ class RolloutQueue:
     def trained(self, batch: Batch) -> None:
         """The batch's step is checkpointed: its groups (and the dropped ones) need no
         resuming."""
-        if self._live is not None:
-            for i in [grp.session for grp in batch.groups] + list(batch.gone):
-                self._live.close_group(self._group_sids[i][0])
+        for i in [grp.session for grp in batch.groups] + list(batch.gone):
+            self._live.close_group(self._group_sids[i][0])
 
     def refill(self, batch: Batch, signal: TaskSignal) -> None:
         """The step is over: publish the version, queue the next batch, and replace the
@@ -196,7 +196,7 @@ class RolloutQueue:
             metas.update((sid, SessionMeta("rl", step, task.task_id, k))
                          for k, (_t, sid) in enumerate(jobs))
             works.append(jobs)
-        self._rollouts.store.record_meta(metas)  # before any of them runs
+        self._store.record_meta(metas)  # before any of them runs
         ids = self._sched.submit_many(Work(self._roll, (jobs,)) for jobs in works)
         self._group_sids.update((i, [sid for _, sid in jobs])
                                 for i, jobs in zip(ids, works, strict=True))
@@ -207,18 +207,17 @@ class RolloutQueue:
         not have is closed (infra_error)."""
         works, keys = [], []
         for grp in pending:
-            assert self._live is not None
             if all(sid in self._trained for _t, sid in grp.jobs):  # trained before the kill
                 self._live.close_group(grp.key)
                 continue
             if any(t not in self._tasks for t, _sid in grp.jobs):
-                close_sessions(self._rollouts.store, [sid for _t, sid in grp.jobs],
+                close_sessions(self._store, [sid for _t, sid in grp.jobs],
                                "its task is not in this run")
                 self._live.close_group(grp.key)
                 continue
             works.append([(self._tasks[t], sid) for t, sid in grp.jobs])
             keys.append(grp.key)
-            meta = self._rollouts.store.session_meta([grp.jobs[0][1]]).get(grp.jobs[0][1])
+            meta = self._store.session_meta([grp.jobs[0][1]]).get(grp.jobs[0][1])
             if meta is not None and meta.phase == "rl":
                 self._draws.skip(meta.step, grp.jobs[0][0])
         ids = self._sched.submit_many(Work(self._roll, (jobs,), {"resume": key})

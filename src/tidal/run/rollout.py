@@ -21,26 +21,24 @@ What an episode's outcome says (docs/agent.md, "Statuses"):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from tidal.agent.command import CommandHarness
 from tidal.agent.episode import EpisodeContext, Harness, HarnessResult, run_task
-from tidal.agent.preempt import LiveEpisodes, Preempted, abandoned_calls
+from tidal.agent.preempt import Preempted
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import Demonstration, Grade, Task, demonstrations
 from tidal.ledger import Call, LedgerStore, Outcome, Status
 from tidal.run.components import RuntimeFactory
 from tidal.sandbox import SandboxConfig
-from tidal.schedule.backend import RolloutResult, Work
+from tidal.schedule.backend import RolloutResult
 
 if TYPE_CHECKING:
     from tidal.agent.environment import Environments
@@ -73,7 +71,7 @@ class Episode:
     last_call_at: float | None = None  # its last call's end
 
 
-def _sampled(calls: Sequence[Call]) -> dict[str, Any]:
+def sampled_figures(calls: Sequence[Call]) -> dict[str, Any]:
     """An episode's sampled figures (`Episode.tokens` ...) from its recorded calls."""
     if not calls:
         return {}
@@ -130,14 +128,49 @@ def _outcomes(sessions: Sequence[str], main: str, result: HarnessResult,
     return out
 
 
-class GroupPreempted(Exception):  # noqa: N818 - it names an event, as Preempted does
-    """A task group stopped by `Rollouts.preempt`: `key` resumes it (`group(...,
-    resume=key)`); its finished episodes are kept, the others continue from their
-    snapshots."""
+class EpisodeHooks(Protocol):
+    """What wraps each episode beyond the plain path: the seam preemption plugs into
+    (`tidal.run.live.LiveRollouts`). The plain path's hooks do nothing."""
 
-    def __init__(self, key: str | None) -> None:
-        super().__init__(f"task group {key} was preempted")
-        self.key = key
+    def finished(self, task: Task, session_id: str) -> Episode | None:
+        """An episode that already ended (a resumed group's), instead of running it."""
+        ...
+
+    def runtime(self, task: Task, session_id: str, config: SandboxConfig,
+                new_runtime: RuntimeFactory
+                ) -> contextlib.AbstractContextManager[tuple[ToolRuntime, float]]:
+        """The episode's runtime and the wall clock the episode already used."""
+        ...
+
+    def abandoned(self, session_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Per session, recorded calls its run did not ask for again (not trained)."""
+        ...
+
+    def done(self, episode: Episode) -> None:
+        """The episode ended and its outcomes are recorded."""
+        ...
+
+
+class _Plain:
+    """The plain path: a fresh runtime, nothing saved, nothing resumed."""
+
+    def finished(self, task: Task, session_id: str) -> Episode | None:
+        return None
+
+    @contextlib.contextmanager
+    def runtime(self, task: Task, session_id: str, config: SandboxConfig,
+                new_runtime: RuntimeFactory) -> Iterator[tuple[ToolRuntime, float]]:
+        with new_runtime(config) as runtime:
+            yield runtime, 0.0
+
+    def abandoned(self, session_ids: Sequence[str]) -> dict[str, list[str]]:
+        return {}
+
+    def done(self, episode: Episode) -> None:
+        pass
+
+
+PLAIN: EpisodeHooks = _Plain()
 
 
 @dataclass(frozen=True)
@@ -149,9 +182,7 @@ class Rollouts:
     (`agent.timeout_sec`), else its own, else `default_time_limit_s`. `log_dir`, when
     given, keeps each session's harness output (`<session>.stdout.txt`, `.stderr.txt`).
     `forget`, when given, is called with each session id of an episode once its
-    outcomes are recorded (the in-process gateway's `forget_session`). `live`, when
-    given, saves the episodes of task groups as they run (`tidal.agent.preempt`), so a
-    run stopped mid-session resumes them (`group(..., resume=key)`)."""
+    outcomes are recorded (the in-process gateway's `forget_session`)."""
 
     gateway_url: str
     model: str
@@ -164,7 +195,6 @@ class Rollouts:
     time_limit_s: float | None = None
     log_dir: Path | None = None
     forget: Callable[[str], object] | None = None
-    live: LiveEpisodes | None = None
 
     def limit(self, task: Task) -> float:
         return self.time_limit_s or task.time_limit_s or self.default_time_limit_s
@@ -177,36 +207,33 @@ class Rollouts:
         base = replace(base, limits=replace(base.limits, cpu_s=max(base.limits.cpu_s, cpu)))
         return base if self.environments is None else self.environments.sandbox_config(task, base)
 
-    def one(self, task: Task, session_id: str, *, group: str | None = None,
-            resume: bool = False) -> Episode:
-        """Run, grade and record one episode. `group`: the live group it is saved in
-        (`live`); `resume`: continue it from what was saved (an episode that had
-        finished is read back, not run again)."""
+    def one(self, task: Task, session_id: str, *, hooks: EpisodeHooks = PLAIN) -> Episode:
+        """Run, grade and record one episode (`hooks`: what wraps it, `EpisodeHooks`)."""
         t0 = time.perf_counter()
-        if resume and group is not None:
-            done = self._finished(group, task.task_id, session_id)
-            if done is not None:
-                return done
+        ended = hooks.finished(task, session_id)
+        if ended is not None:
+            return ended
         try:
-            with self._runtime(task, session_id, group, resume) as (runtime, used):
+            with hooks.runtime(task, session_id, self.config_for(task),
+                               self.new_runtime) as (runtime, used):
                 ctx = EpisodeContext(self.gateway_url, session_id, self.model, task, runtime,
                                      self.limit(task), started=time.monotonic() - used)
                 result, grade = run_task(self.harness, ctx)
         except Preempted:
-            raise  # saved, to be resumed elsewhere: no outcome (`preempt`)
+            raise  # saved, to be resumed elsewhere: no outcome
         except Exception as e:  # the sandbox or the environment failed, not the agent
             self.store.append_outcome(Outcome(session_id, Status.INFRA_ERROR, 0.0, 0.0,
                                               {"error": f"{type(e).__name__}: {e}"}))
             self._forget([session_id])
-            return self._done(group, Episode(task.task_id, session_id, (session_id,),
-                                             "infra_error", 0.0, 0.0, 0,
-                                             time.perf_counter() - t0))
+            ep = Episode(task.task_id, session_id, (session_id,), "infra_error", 0.0, 0.0, 0,
+                         time.perf_counter() - t0)
+            hooks.done(ep)
+            return ep
         self._keep_log(session_id, result)
         self._note_subagents(session_id)
         sessions = _episode_sessions(self.store, session_id, list(result.sessions))
         status = result.status if self.store.has_session(session_id) else "infra_error"
-        gateway = self.live.replay if self.live is not None and resume else None
-        left = {sid: abandoned_calls(gateway, [sid]) for sid in sessions}
+        left = hooks.abandoned(sessions)
         # a session that failed before its first call has nothing to train: no outcome
         outcomes = [o for o in _outcomes(sessions, session_id, result, grade, left)
                     if self.store.has_session(o.session_id)]
@@ -214,14 +241,16 @@ class Rollouts:
             self.store.append_outcomes(outcomes)
         self._forget(sessions)
         logged = [sc.call for o in outcomes for sc in self.store.call_log(o.session_id).calls]
-        return self._done(group, Episode(
+        ep = Episode(
             task_id=task.task_id, session_id=session_id,
             session_ids=tuple(o.session_id for o in outcomes), status=status,
             reward=grade.reward, partial_score=grade.partial_score, n_calls=len(logged),
             seconds=time.perf_counter() - t0, checks=grade.by_kind, grader_error=grade.error,
             tool_parse_failures=sum("tool_parse" in (c.metadata or {}) for c in logged),
-            **_sampled(logged),
-        ))
+            **sampled_figures(logged),
+        )
+        hooks.done(ep)
+        return ep
 
     def demonstrations(self, task: Task) -> list[Demonstration]:
         """The task's warm-start demonstrations. A task with an environment runs its
@@ -231,44 +260,6 @@ class Rollouts:
             return demonstrations(task)
         with self.new_runtime(self.config_for(task)) as runtime:
             return demonstrations(task, runtime=runtime)
-
-    @contextlib.contextmanager
-    def _runtime(self, task: Task, session_id: str, group: str | None,
-                 resume: bool) -> Iterator[tuple[ToolRuntime, float]]:
-        """The episode's runtime and the wall clock it already used (a resumed one)."""
-        config = self.config_for(task)
-        if self.live is None or group is None:
-            with self.new_runtime(config) as runtime:
-                yield runtime, 0.0
-            return
-        with self.live.runtime(
-                group, task.task_id, session_id, config, self.new_runtime, resume=resume,
-                # a harness whose tools run inside the sandbox cannot be snapshotted
-                # between tool calls: its resumed episode starts in a fresh sandbox
-                snapshots=not isinstance(self.harness, CommandHarness)) as got:
-            yield got
-
-    def _done(self, group: str | None, episode: Episode) -> Episode:
-        if self.live is not None and group is not None:
-            self.live.done(group, episode.session_id, asdict(episode))
-        return episode
-
-    def _finished(self, group: str, task_id: str, session_id: str) -> Episode | None:
-        """A resumed group's episode that had finished: from its done file, else (killed
-        between its outcomes and that file) from the ledger; None when it had not."""
-        assert self.live is not None
-        f = self.live.root / group / f"{session_id}.done.json"
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            d = json.loads(f.read_text())
-            return Episode(**{**d, "session_ids": tuple(d["session_ids"])})
-        o = self.store.outcome(session_id)
-        if o is None:
-            return None
-        sessions = [s for s in _episode_sessions(self.store, session_id, [])
-                    if self.store.outcome(s) is not None]
-        calls = [sc.call for s in sessions for sc in self.store.call_log(s).calls]
-        return Episode(task_id, session_id, tuple(sessions), o.status.value, o.reward,
-                       o.partial_score, len(calls), 0.0, **_sampled(calls))
 
     def _note_subagents(self, main: str) -> None:
         """The episode's subagent sessions get its main session's metadata (the run
@@ -293,86 +284,44 @@ class Rollouts:
             for sid in session_ids:
                 self.forget(sid)
 
-    def preempt(self, key: str) -> int:
-        """Stop the live group `key` where it is: its episodes are saved and end at their
-        next runtime operation; `group(...)` then raises `GroupPreempted`, and
-        `group(..., resume=key)` continues it, here or in another process. Returns the
-        episodes stopped."""
-        return self.live.preempt(key) if self.live is not None else 0
-
     def many(
         self,
         jobs: Sequence[tuple[Task, str]],
         *,
         workers: int,
         on_done: Callable[[Episode], None] | None = None,
-        group: str | None = None,
-        resume: bool = False,
+        hooks: EpisodeHooks = PLAIN,
     ) -> list[Episode]:
-        """Run (task, session id) jobs on `workers` threads; results in job order."""
+        """Run (task, session id) jobs on `workers` threads; results in job order. When
+        an episode was preempted (`Preempted`), every other one ends first, then
+        `Preempted` is raised."""
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout") as pool:
-            futures = [pool.submit(self.one, task, sid, group=group, resume=resume)
-                       for task, sid in jobs]
-            episodes, preempted = [], False
+            futures = [pool.submit(self.one, task, sid, hooks=hooks) for task, sid in jobs]
+            episodes, preempted = [], None
             for f in futures:
                 try:  # every episode of a preempted group stops before the group does
                     ep = f.result()
-                except Preempted:
-                    preempted = True
+                except Preempted as e:
+                    preempted = e
                     continue
                 if on_done is not None:
                     on_done(ep)
                 episodes.append(ep)
-        if preempted:
-            raise Preempted(group)
+        if preempted is not None:
+            raise preempted
         return episodes
 
-    def group(self, jobs: Sequence[tuple[Task, str]], *, base_version: int,
-              resume: str | None = None, keep: bool = False) -> RolloutResult:
-        """One scheduled work item: a task group's episodes, all at once. Reports the
-        policy version of the group's oldest recorded token (relative to `base_version`,
-        the engine's version when the scheduler started) and its model tokens. With
-        `live`, the group is saved while it runs; `resume` (its key) continues one that
-        a stopped run left live. `keep`: the group stays saved when it ends (its
-        finished episodes are read back on resume) until its owner closes it
-        (`live.close_group`), once what it trained is checkpointed."""
-        key = resume
-        if key is None and self.live is not None:
-            key = self.live.open_group([(t.task_id, sid) for t, sid in jobs])
-        elif key is not None and self.live is not None:
-            self.live.resuming(key)
-        try:
-            eps = self.many(jobs, workers=len(jobs), group=key, resume=resume is not None)
-        except Preempted:
-            raise GroupPreempted(key) from None
-        if key is not None and self.live is not None and not keep:
-            self.live.close_group(key)
-        versions = [e.oldest_version for e in eps if e.oldest_version is not None]
-        oldest = min(versions) - base_version if versions else None
-        return RolloutResult(value=eps, policy_version=oldest,
-                             tokens=sum(e.tokens for e in eps))
+    def group(self, jobs: Sequence[tuple[Task, str]], *, base_version: int) -> RolloutResult:
+        """One scheduled work item: a task group's episodes, all at once
+        (`group_result`)."""
+        return group_result(self.many(jobs, workers=len(jobs)), base_version)
 
 
-@dataclass(frozen=True)
-class RolloutMigrator:
-    """Moves a live task group between scheduler devices (`tidal.schedule.backend.
-    Migrator`): `preempt` saves and stops it (`Rollouts.preempt`), `resumed` is the work
-    that continues it (`Rollouts.group(..., resume=key)`). A group's key is its first
-    session id (`LiveEpisodes.open_group`)."""
-
-    rollouts: Rollouts
-
-    @staticmethod
-    def key(work: Work) -> str:
-        resume = work.kwargs.get("resume")
-        if isinstance(resume, str):
-            return resume
-        jobs = work.args[0]
-        return str(jobs[0][1])
-
-    def preempt(self, work: Work) -> None:
-        self.rollouts.preempt(self.key(work))
-
-    def resumed(self, work: Work) -> Work:
-        return Work(work.fn, work.args, {**work.kwargs, "resume": self.key(work)},
-                    pass_context=work.pass_context)
+def group_result(episodes: list[Episode], base_version: int) -> RolloutResult:
+    """A task group's result for the scheduler: its episodes, the policy version of its
+    oldest sampled token (relative to `base_version`, the engine's version when the
+    scheduler started) and its model tokens."""
+    versions = [e.oldest_version for e in episodes if e.oldest_version is not None]
+    oldest = min(versions) - base_version if versions else None
+    return RolloutResult(value=episodes, policy_version=oldest,
+                         tokens=sum(e.tokens for e in episodes))
