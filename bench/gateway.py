@@ -67,6 +67,7 @@ import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -459,6 +460,76 @@ def measure_workers(n: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def compare_routers(args: argparse.Namespace) -> dict[str, Any]:
+    """tidal's router against the same router written with maintained libraries
+    (bench/router_alt.py: uvicorn + Starlette + httpx, and aiohttp when it is installed),
+    all in front of the same `tidal serve --workers 2` workers (instant engine): single
+    sessions sent straight to worker 0 and through each router, round after round in
+    turn (added p50/p99: routed minus direct); then 32 sessions through each router in
+    turn (calls a second, p50/p99 added), twice."""
+    from tidal.gateway.workers import worker_for
+
+    ctx = multiprocessing.get_context("spawn")
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(1, mp_context=ctx) as clients:
+        srv = Serve(Path(tmp) / "s.db", 2, "instant_factory", args.engine_ms[0])
+        alts: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+            conn.request("GET", "/health")
+            ports = [w["port"] for w in json.loads(conn.getresponse().read())["worker_status"]]
+            conn.close()
+            for impl in ("starlette", *(("aiohttp",) if find_spec("aiohttp") else ())):
+                port = _free_port()
+                alts[impl] = (port, subprocess.Popen(
+                    [sys.executable, str(ROOT / "bench" / "router_alt.py"), "--port", str(port),
+                     "--impl", impl, "--workers", *map(str, ports)],
+                    cwd=ROOT, stdout=subprocess.DEVNULL))
+                _wait_port(port)
+            bases = {"direct": f"http://127.0.0.1:{ports[0]}", "tidal": srv.base,
+                     **{impl: f"http://127.0.0.1:{port}" for impl, (port, _) in alts.items()}}
+            for base in bases.values():
+                clients.submit(client_load, base, "warm-", 4, 3, args.max_tokens).result()
+            one: dict[str, list[Sample]] = {k: [] for k in bases}
+            for r in range(args.router_rounds):
+                pre = next(f"q{r}x{j}-" for j in range(1000) if worker_for(f"q{r}x{j}-0", 2) == 0)
+                for name, base in bases.items():
+                    one[name] += clients.submit(client_load, base, f"{name}-{pre}", 1,
+                                                args.calls, args.max_tokens).result()[0]
+
+            def pct(samples: list[Sample], q: float) -> float:
+                return float(np.percentile([e for e, _, _ in samples], q)) * 1e3
+
+            out["single_session"] = {
+                name: {"e2e_ms_p50": round(pct(got, 50), 3),
+                       "added_ms_p50": round(pct(got, 50) - pct(one["direct"], 50), 3),
+                       "added_ms_p99": round(pct(got, 99) - pct(one["direct"], 99), 3)}
+                for name, got in one.items() if name != "direct"}
+            many: dict[str, list[dict[str, float]]] = {k: [] for k in bases if k != "direct"}
+            for r in range(2):
+                for name, rows in many.items():
+                    rows.append(stats(clients.submit(
+                        client_load, bases[name], f"m{r}{name}-", 32, args.calls_concurrent,
+                        args.max_tokens).result()))
+            out["sessions_32"] = many
+        finally:
+            for _port, proc in alts.values():
+                proc.terminate()
+                proc.wait(timeout=30)
+            srv.close()
+    return out
+
+
+def _wait_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s:g} s")
+
+
 _PROBE_BODY = {
     "model": "tiny",
     "messages": [{"role": "user", "content": f"step {i}: report status " * 3} for i in range(30)],
@@ -550,7 +621,16 @@ def main() -> None:
         default=5,
         help="with --workers N > 1: rounds of direct vs routed single sessions",
     )
+    ap.add_argument(
+        "--router-compare",
+        action="store_true",
+        help="only compare tidal's router with bench/router_alt.py (maintained libraries)",
+    )
     args = ap.parse_args()
+    if args.router_compare:
+        print(json.dumps({"bench": "router_compare", "load_avg_1m": round(os.getloadavg()[0], 2),
+                          **compare_routers(args)}, indent=1))
+        return
 
     from tidal.engine.embedded import EmbeddedEngine
     from tidal.engine.tiny import ensure_tiny, load_tokenizer
