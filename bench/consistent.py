@@ -215,31 +215,71 @@ def invariance_probe(directory: Path, args: argparse.Namespace) -> dict[str, Any
     return out
 
 
+def _keep_partial(args: argparse.Namespace, name: str, partial: dict[str, Any]) -> None:
+    """What a model measured so far, in `--out` (replaced by the whole result at its end):
+    a run killed mid-model keeps it."""
+    if args.out is not None and not args.out.exists():
+        args.out.with_suffix(".partial.json").write_text(
+            json.dumps({"bench": "consistent_numerics", "partial": {name: partial}}, indent=1))
+
+
 def measure_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Both modes on one model, `--repeats` times each, the modes alternating (so slow
     spells of a shared machine fall on both); times are medians."""
     directory = model_dir(name)
     probe = invariance_probe(directory, args) if args.probe else None
+    partial: dict[str, Any] = {"invariance_probe": probe}
+    _keep_partial(args, name, partial)
     modes = ("standard", "consistent")
     rollouts: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     steps: dict[str, list[tuple[Any, float]]] = {m: [] for m in modes}
     for _ in range(args.repeats):
         for mode in modes:
             rollouts[mode].append(rollout_all(mode, args, directory))
+            partial.setdefault("rollout_s", {}).setdefault(mode, []).append(
+                round(rollouts[mode][-1]["seconds"], 2))
+            _keep_partial(args, name, partial)
+    warmup: dict[str, float] = {}
+    errors: dict[str, str] = {}
+
+    def step(mode: str) -> Any:
+        """One train step, or None (the error kept) when the mode's trainer fails."""
+        if mode in errors:
+            return None
+        try:
+            return train_once(mode, rollouts[mode][0]["sessions"], directory, args)
+        except Exception as e:  # the other mode still measures
+            errors[mode] = f"{type(e).__name__}: {e}"[:2000]
+            return None
+
+    if args.device != "cpu":  # a GPU's first step compiles (FlexAttention): not timed
+        for mode in modes:
+            first = step(mode)
+            if first is not None:
+                warmup[mode] = first[1]
     for _ in range(args.repeats):
         for mode in modes:
-            steps[mode].append(train_once(mode, rollouts[mode][0]["sessions"], directory,
-                                          args))
+            got = step(mode)
+            if got is not None:
+                steps[mode].append(got)
+                partial.setdefault("train", {}).setdefault(mode, []).append(
+                    {"s": round(got[1], 2), "token_kl": got[0].token_kl,
+                     "max_abs_logprob_diff": got[0].max_abs_logprob_diff})
+                _keep_partial(args, name, partial)
     out: dict[str, Any] = {"workload": {k: getattr(args, k) for k in
                                         ("tasks", "group", "turns", "max_tokens", "prompt")},
                            "device": args.device, "dtype": args.dtype}
     if probe is not None:
         out["invariance_probe"] = probe
+    if warmup:
+        out["untimed_first_train_step_s"] = {m: round(t, 2) for m, t in warmup.items()}
+    if errors:
+        out["train_errors"] = errors
     for mode in modes:
         sessions = rollouts[mode][0]["sessions"]
         rollout_s = float(np.median([r["seconds"] for r in rollouts[mode]]))
-        step_s = float(np.median([s for _, s in steps[mode]]))
-        m = steps[mode][0][0]
+        step_s = float(np.median([s for _, s in steps[mode]])) if steps[mode] else None
+        m = steps[mode][0][0] if steps[mode] else None
         sampled = sum(int(gen.output_ids.shape[0]) for calls in sessions.values()
                       for _, gen in calls)
         prompt_tokens = sum(len(p) for calls in sessions.values() for p, _ in calls)
@@ -252,17 +292,21 @@ def measure_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "prompt_tokens": prompt_tokens,
             "prompt_tokens_computed": prompt_tokens - cached,
             "sampled_tokens_per_s": round(sampled / rollout_s, 1),
-            "train_step_s": round(step_s, 2),
             "train_step_s_each": [round(s, 2) for _, s in steps[mode]],
-            "train_tokens": m.tokens,
-            "max_abs_logprob_diff": m.max_abs_logprob_diff,
-            "mean_abs_logprob_diff": m.mean_abs_logprob_diff,
-            "token_kl": m.token_kl,
-            "is_clipped_fraction": m.is_clipped_fraction,
         }
+        if m is not None and step_s is not None:
+            out[mode].update({
+                "train_step_s": round(step_s, 2),
+                "train_tokens": m.tokens,
+                "max_abs_logprob_diff": m.max_abs_logprob_diff,
+                "mean_abs_logprob_diff": m.mean_abs_logprob_diff,
+                "token_kl": m.token_kl,
+                "is_clipped_fraction": m.is_clipped_fraction,
+            })
     s, c = out["standard"], out["consistent"]
     out["rollout_cost"] = round(c["rollout_s"] / s["rollout_s"], 2)
-    out["train_step_cost"] = round(c["train_step_s"] / s["train_step_s"], 2)
+    if "train_step_s" in s and "train_step_s" in c:
+        out["train_step_cost"] = round(c["train_step_s"] / s["train_step_s"], 2)
     return out
 
 
@@ -303,7 +347,7 @@ def main() -> None:
         out["models"][name] = measure_model(name, margs)
         if args.out is not None:
             args.out.write_text(json.dumps(out, indent=2))
-        print(json.dumps({name: {k: out["models"][name][k]
+        print(json.dumps({name: {k: out["models"][name].get(k)
                                  for k in ("rollout_cost", "train_step_cost")}}),
               file=sys.stderr, flush=True)
     print(json.dumps(out, indent=2))

@@ -66,7 +66,7 @@ def bandwidth_gbs(mb: int, reps: int, dev: torch.device) -> tuple[float, float]:
     dst = torch.empty_like(src)
     copy_s = _timed(lambda: dst.copy_(src), reps, dev)
     acc = torch.empty((), device=dev)
-    read_s = _timed(lambda: torch.sum(src, out=acc), reps, dev)
+    read_s = _timed(lambda: torch.sum(src, 0, out=acc), reps, dev)
     nbytes = n * 4
     return 2 * nbytes / copy_s / 1e9, nbytes / read_s / 1e9
 
@@ -100,7 +100,7 @@ def main() -> None:
         if not cuda and name in ("fp16", "tf32"):
             continue
         reps_here = reps if dtype != torch.float32 or tf32 or not cuda else max(2, reps // 3)
-        rates[name] = round(matmul_tflops(n, dtype, reps_here, dev, tf32), 1)
+        rates[name] = round(matmul_tflops(n, dtype, reps_here, dev, tf32), 3)
     out["matmul_tflops"] = rates
     copy, read = bandwidth_gbs(copy_mb, reps, dev)
     out["copy_gbs"], out["read_gbs"] = round(copy, 1), round(read, 1)

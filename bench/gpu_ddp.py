@@ -71,11 +71,11 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, A
             "same_keys": a.keys() == b.keys()}
 
 
-def _timed(fn: Any, device: torch.device) -> tuple[Any, float]:
+def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return out, time.perf_counter() - t0
@@ -108,8 +108,8 @@ def main() -> None:
                        loss=LossConfig(correction="tis"), max_tokens=args.max_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="tidal-ddp-"))
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    _, init_s = _timed(lambda: dist.init_process_group(
-        backend, init_method=f"file://{tmp}/pg", rank=0, world_size=1), dev)
+    _, init_s = _timed(dev, lambda: dist.init_process_group(
+        backend, init_method=f"file://{tmp}/pg", rank=0, world_size=1))
     result.update(backend=dist.get_backend(), init_s=round(init_s, 3))
     try:
         vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
@@ -121,13 +121,13 @@ def main() -> None:
                            "partitioned": sum(s.partition is not None for s in batch.streams)}
 
         plain = RankTrainer(spec, Ranks())
-        m_plain, plain_s = _timed(lambda: plain.step(trees), dev)
+        m_plain, plain_s = _timed(dev, plain.step, trees)
         p_plain = _params(plain)
         del plain
 
         group = OneRankGroup(0, 1)
-        sharded, build_s = _timed(lambda: RankTrainer(spec, group), dev)
-        m_sh, step_s = _timed(lambda: sharded.step(trees), dev)
+        sharded, build_s = _timed(dev, RankTrainer, spec, group)
+        m_sh, step_s = _timed(dev, sharded.step, trees)
         p_sh = _params(sharded)
         metrics = {k: (getattr(m_plain, k), getattr(m_sh, k))
                    for k in ("loss", "token_kl", "max_abs_logprob_diff", "grad_norm", "tokens",
@@ -139,7 +139,7 @@ def main() -> None:
             params_plain_vs_sharded=_diff(p_plain, p_sh),
             peak_memory_mb_per_rank=sharded.peak_memory_mb,
             sharded_param_type=type(next(sharded.model.parameters())).__name__)
-        _, save_s = _timed(lambda: sharded.save(str(tmp / "ckpt")), dev)
+        _, save_s = _timed(dev, sharded.save, str(tmp / "ckpt"))
         files = sorted(str(f.relative_to(tmp / "ckpt")) for f in (tmp / "ckpt").rglob("*")
                        if f.is_file())
         result.update(save_s=round(save_s, 3), checkpoint_files=files)
@@ -147,12 +147,12 @@ def main() -> None:
         result["transformers_checkpoint_vs_sharded"] = _diff(
             {k: v.float() for k, v in hf.state_dict().items() if k in p_sh}, p_sh)
         del hf
-        m_next, _ = _timed(lambda: sharded.step(trees), dev)
+        m_next, _ = _timed(dev, sharded.step, trees)
         p_next = _params(sharded)
         del sharded
         state = dataclasses.replace(spec, state_dir=str(tmp / "ckpt" / TRAIN_STATE))
         for name, ranks in (("sharded", group), ("plain", Ranks())):
-            loaded, load_s = _timed(lambda r=ranks: RankTrainer(state, r), dev)
+            loaded, load_s = _timed(dev, RankTrainer, state, ranks)
             result[f"loaded_{name}_s"] = round(load_s, 3)
             result[f"loaded_{name}_vs_saved"] = _diff(_params(loaded), p_sh)
             m_again = loaded.step(trees)

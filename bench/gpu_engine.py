@@ -64,7 +64,7 @@ def _bytes(model: Any) -> tuple[int, int]:
     return weights, kv
 
 
-def decode(eng: Any, dev: torch.device, batch: int, context: int, steps: int,
+def decode(eng: Any, dev: torch.device, batch: int, context: int, *, steps: int,
            bandwidth: float | None) -> dict[str, Any]:
     from tidal.engine.base import SamplingParams
 
@@ -191,7 +191,8 @@ def main() -> None:
             for context in contexts:
                 for batch in batches:
                     try:
-                        row = decode(eng, dev, batch, context, args.steps, args.bandwidth_gbs)
+                        row = decode(eng, dev, batch, context, steps=args.steps,
+                                     bandwidth=args.bandwidth_gbs)
                     except Exception as e:
                         result["errors"].append(
                             f"{dtype} batch {batch} context {context}: {type(e).__name__}: {e}")

@@ -55,28 +55,40 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def _config(args: argparse.Namespace) -> Any:
+    """The model's transformers config: `--arch qwen3` from --layers/--hidden/--vocab;
+    `qwen2.5-0.5b` Qwen2.5-0.5B's (its layers replaced by --layers when given)."""
+    from transformers import Qwen2Config, Qwen3Config
 
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
     if args.arch == "qwen2.5-0.5b":
         from consistent import QWEN05_SHAPE  # bench/consistent.py: Qwen2.5-0.5B's config
 
-        cfg = Qwen2Config(**QWEN05_SHAPE, attn_implementation="sdpa")
-        with torch.device(args.device):  # random init where it runs: fast on a GPU
-            model = Qwen2ForCausalLM(cfg)  # type: ignore[no-untyped-call]
-        return model.to(dtype)  # type: ignore[no-any-return]
-    cfg = Qwen3Config(  # type: ignore[call-arg]
+        shape = dict(QWEN05_SHAPE)
+        if args.layers:
+            shape["num_hidden_layers"] = args.layers
+        return Qwen2Config(**shape, attn_implementation="sdpa")
+    return Qwen3Config(  # type: ignore[call-arg]
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
+        num_hidden_layers=args.layers or 4,
         num_attention_heads=args.hidden // 64,
         num_key_value_heads=max(1, args.hidden // 128),
         head_dim=64,
         attn_implementation="sdpa",
     )
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    cfg = _config(args)
+    if args.arch == "qwen2.5-0.5b":
+        with torch.device(args.device):  # random init where it runs: fast on a GPU
+            model = Qwen2ForCausalLM(cfg)  # type: ignore[no-untyped-call]
+        return model.to(dtype)  # type: ignore[no-any-return]
     return Qwen3ForCausalLM(cfg).to(dtype).to(args.device)  # type: ignore[no-untyped-call]
 
 
@@ -245,9 +257,9 @@ def _methods(model: torch.nn.Module, args: argparse.Namespace) -> tuple[
     def tree_step(trees: list[Any]) -> None:
         batch = pack_trees(trees, args.max_tokens)
         cache = KVCache()
-        old = recompute_logprobs(model, batch, kv_cache=cache)
+        old = recompute_logprobs(model, batch, kv_cache=cache, attention=args.attention)
         terms = build_pair_terms(batch, old, cfg)
-        tree_loss_backward(model, batch, terms, cfg, cache)
+        tree_loss_backward(model, batch, terms, cfg, cache, attention=args.attention)
 
     def path_step(trees: list[Any]) -> None:
         old = _path_old(model, trees, dev)
@@ -404,6 +416,7 @@ def _inprocess(methods: list[str], workload: str, args: argparse.Namespace) -> d
     for m in methods:
         w, _ = run(m, warm)  # compiles (FlexAttention), cuBLAS and allocator warm-up
         res[m]["warmup_s"] = w
+        _emit_partial(args, {"method": m, "warmup_s": w})
     grads: dict[str, torch.Tensor] = {}
     for m in methods:
         model.zero_grad(set_to_none=True)
@@ -429,6 +442,13 @@ def _inprocess(methods: list[str], workload: str, args: argparse.Namespace) -> d
             res[m]["times"].append(w)
             res[m]["cpu"].append(c)
     model.zero_grad(set_to_none=True)
+    try:  # how often FlexAttention's compiled function was (re)compiled in this process
+        from torch._dynamo.utils import counters
+
+        res["dynamo"] = {k: dict(v) for k, v in counters.items()
+                         if k in ("stats", "recompiles", "frames", "unimplemented")}
+    except Exception as e:
+        res["dynamo"] = f"{type(e).__name__}: {e}"
     for m in methods:
         res[m]["grads"] = grads[m]
         if m != "path":
@@ -484,18 +504,7 @@ def _step_flops(config: Any, positions: list[np.ndarray], n_targets: int) -> flo
 
 def _flops(args: argparse.Namespace, trees: list[Any], batch: Any) -> tuple[float, float]:
     """(tree step FLOPs, per-path step FLOPs) for `--arch`'s config."""
-    from transformers import AutoConfig
-
-    if args.arch == "qwen2.5-0.5b":
-        from consistent import QWEN05_SHAPE
-
-        config = AutoConfig.for_model("qwen2", **QWEN05_SHAPE)
-    else:
-        config = AutoConfig.for_model(
-            "qwen3", vocab_size=args.vocab, hidden_size=args.hidden,
-            intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-            num_attention_heads=args.hidden // 64,
-            num_key_value_heads=max(1, args.hidden // 128), head_dim=64)
+    config = _config(args)
     tree = _step_flops(config, [s.position_ids_T for s in batch.streams], batch.n_targets)
     paths, targets = [], 0
     for t in trees:
@@ -523,6 +532,7 @@ def _compare(
                for m in methods}
     path = res["path"]
     out: dict[str, Any] = {
+        "dynamo": res.get("dynamo"),
         "ideal_ratio": batch.path_tokens / batch.unique_tokens,
         "unique_tokens": batch.unique_tokens,
         "path_tokens": batch.path_tokens,
@@ -564,6 +574,8 @@ def _compare(
         out["tree_tflops"] = tree_f / out["tree_s"] / 1e12
         out["path_tflops"] = path_f / out["path_s"] / 1e12
         for name, peak in (args.peak_tflops or {}).items():
+            if not peak or peak <= 0:
+                continue
             out[f"tree_mfu_vs_{name}"] = out["tree_tflops"] / peak
             out[f"path_mfu_vs_{name}"] = out["path_tflops"] / peak
     return out
@@ -576,6 +588,8 @@ def main() -> None:
     ap.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen2.5-0.5b"],
                     help="qwen3: --layers/--hidden/--vocab; qwen2.5-0.5b: Qwen2.5-0.5B's config")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "blocks", "dense", "flex"],
+                    help="the tree attention backend (auto: flex on CUDA, blocks on CPU)")
     ap.add_argument("--inprocess", action=argparse.BooleanOptionalAction, default=None,
                     help="all methods in one process (default on CUDA)")
     ap.add_argument("--path-mode", default="batch", choices=["batch", "each"],
@@ -584,7 +598,8 @@ def main() -> None:
                     help='measured peaks for MFU, JSON: {"bf16": 790, "fp32": 50}')
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (qwen3: 4; qwen2.5-0.5b: its 24 unless given)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=16384)

@@ -114,24 +114,26 @@ def compare_to_paths(
     batch = pack_trees(trees, max_tokens, q_chunk=7)
     gen = torch.Generator().manual_seed(1)
     true = recompute_logprobs(model, batch, attention=attention)
-    rollout = true + 0.2 * torch.randn(true.shape, generator=gen)
-    trees = with_rollout(trees, batch.to_segment_arrays(rollout.numpy()))
+    dev = true.device  # the noise is drawn on the CPU, so that every device gets the same
+    rollout = true + 0.2 * torch.randn(true.shape, generator=gen).to(dev)
+    trees = with_rollout(trees, batch.to_segment_arrays(rollout.cpu().numpy()))
     batch = pack_trees(trees, max_tokens, q_chunk=7)
     cache = KVCache()
     old = recompute_logprobs(model, batch, attention=attention, kv_cache=cache)
     torch.testing.assert_close(old, true, rtol=0, atol=0)
-    old = old + old_noise * torch.randn(old.shape, generator=gen)
+    old = old + old_noise * torch.randn(old.shape, generator=gen).to(dev)
     ref = None
     ref_seg = None
     if ref_model is not None:
         ref = recompute_logprobs(ref_model, batch, attention=attention)
-        ref_seg = batch.to_segment_arrays(ref.numpy())
+        ref_seg = batch.to_segment_arrays(ref.cpu().numpy())
     terms = build_pair_terms(batch, old, cfg, ref)
     model.zero_grad()
     loss, _ = tree_loss_backward(model, batch, terms, cfg, cache, attention=attention)
     g_tree = _grads(model)
     model.zero_grad()
-    ref_loss = per_path_loss(model, trees, batch.to_segment_arrays(old.numpy()), cfg, ref_seg)
+    ref_loss = per_path_loss(model, trees, batch.to_segment_arrays(old.cpu().numpy()), cfg,
+                             ref_seg)
     ref_loss.backward()
     g_path = _grads(model)
     assert abs(ref_loss.item()) > 0

@@ -44,13 +44,14 @@ def _segment(parent: int, ids: object, lp: object = None) -> Segment:
     )
 
 
-def rollout_trees(numerics: str) -> tuple[list[TrainTree], Path]:
+def rollout_trees(numerics: str, device: str = "cpu") -> tuple[list[TrainTree], Path]:
     """Concurrent sessions: prompt -> answer -> (tool result A -> answer | B -> answer)."""
     tiny = ensure_tiny()
     params = SamplingParams(max_tokens=24, seed=None)
     trees: list[TrainTree] = []
     lock = threading.Lock()
-    with EmbeddedEngine(tiny, numerics=numerics, seed=0, batch_wait_s=0.0) as eng:
+    with EmbeddedEngine(tiny, numerics=numerics, seed=0, batch_wait_s=0.0,
+                        device=device) as eng:
 
         def session(i: int) -> None:
             rng = np.random.default_rng(i)
@@ -122,6 +123,25 @@ def test_consistent_step_reads_no_mismatch_and_trains_like_standard(
     for a, b in zip(updates["consistent"], updates["blocks"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
     assert any(float(u.abs().max()) > 1e-4 for u in updates["consistent"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_trainer_recomputes_the_rollout_logprobs_exactly() -> None:
+    """The same on a GPU: concurrent sessions sampled by the CUDA engine in consistent
+    numerics, recomputed by the trainer on CUDA, equal bit for bit; a step there reads no
+    mismatch. (cuBLAS picks kernels by shape, so `tile_sizes` decides there which tiles
+    agree with the reference one.)"""
+    trees, tiny = rollout_trees("consistent", device="cuda")
+    batch = pack_trees(trees, 4096)
+    model = policy(tiny).cuda()
+    old = recompute_logprobs(model, batch, attention="consistent").cpu().numpy()
+    diff = np.abs(old - batch.rollout_logprobs_N)
+    assert np.array_equal(old, batch.rollout_logprobs_N), (
+        f"{int((diff > 0).sum())} of {diff.size} targets differ, max {diff.max():.3g}")
+    trainer = TreeTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0), LossConfig(),
+                          attention="consistent", max_grad_norm=None)
+    m = trainer.step(trees)
+    assert m.max_abs_logprob_diff == 0.0 and m.token_kl == 0.0
 
 
 def test_a_tree_over_one_stream_is_refused(

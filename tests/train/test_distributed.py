@@ -209,3 +209,55 @@ def test_activation_checkpointing_keeps_the_gradients() -> None:
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n, g in grads[0].items():
         assert _rel(grads[1][n], g) <= 1e-6, n
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupOfOne(Ranks):
+    """One rank that still goes through the process group (FSDP2 over a mesh of one,
+    every collective the trainer makes across ranks)."""
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+
+def _nccl_one_rank(rank: int, out: Path) -> None:
+    dist.init_process_group("nccl", init_method=f"file://{out}/pg", rank=rank, world_size=1)
+    try:
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        trees = _trees()
+        res: dict[str, object] = {}
+        for name, ranks in (("plain", Ranks()), ("group", _GroupOfOne(0, 1))):
+            model: torch.nn.Module = TargetLM(tiny_qwen2(0)).to(dev)
+            if ranks.distributed:
+                model = shard_policy(model, ranks, dev)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+            m = TreeTrainer(model, opt, LossConfig(correction="tis"), max_tokens=MAX_TOKENS,
+                            ranks=ranks).step(trees)
+            params = {k: v.detach().cpu() for k, v in full_state_dict(model, ranks).items()}
+            res[name] = {"metrics": m.as_dict(), "params": params}
+            if ranks.distributed:
+                save_state(out / "dcp", model, opt)
+                other = shard_policy(TargetLM(tiny_qwen2(5)).to(dev), ranks, dev)
+                load_state(out / "dcp", other, torch.optim.SGD(other.parameters(), lr=1e-2))
+                res["loaded"] = {k: v.detach().cpu()
+                                 for k, v in full_state_dict(other, ranks).items()}
+        torch.save(res, out / "nccl.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")
+def test_nccl_one_rank_on_cuda_trains_like_no_group(tmp_path: Path) -> None:
+    """FSDP2 and the trainer's collectives over NCCL (world size 1, one GPU) give the step
+    a plain trainer gives (SGD: relative 1e-6), and the sharded checkpoint loads back."""
+    mp.spawn(_nccl_one_rank, args=(tmp_path,), nprocs=1)
+    res = torch.load(tmp_path / "nccl.pt")
+    plain, group = res["plain"], res["group"]
+    for key in ("loss", "token_kl", "max_abs_logprob_diff", "grad_norm", "tokens"):
+        assert group["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-5,
+                                                      abs=1e-9), key
+    for name, p in plain["params"].items():
+        assert _rel(group["params"][name], p) <= 1e-6, name
+        assert torch.equal(res["loaded"][name], group["params"][name]), name
