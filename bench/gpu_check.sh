@@ -165,7 +165,7 @@ print(json.dumps(out))
 EOF
 }
 
-export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # $ROOT: tests.train.synthetic
 [[ -d .gpu/site ]] && export PYTHONPATH="$PYTHONPATH:$ROOT/.gpu/site"
 printf '{"started": "%s", "device": "%s", "small": %s, "budget_s": %s, "python": "%s", "git_head": "%s"}\n' \
   "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$DEVICE" "$SMALL" "$BUDGET" "$PY" \

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # tidal, and tests.train.synthetic
 
 from tidal.train.distributed import Ranks  # noqa: E402
 
@@ -50,7 +50,7 @@ class OneRankGroup(Ranks):
 
 
 def _trees(vocab: int, n: int, path_len: int) -> list[Any]:
-    from tidal.train.synthetic import agent_tree
+    from tests.train.synthetic import agent_tree
 
     rng = np.random.default_rng(0)
     return [agent_tree(rng, f"t{i}", n_leaves=4, path_len=path_len, shared_fraction=0.6,

@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="rewritten after every row")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # tidal, and tests.train.synthetic
     if args.threads:
         torch.set_num_threads(args.threads)
     from tidal.engine.base import SamplingParams

@@ -83,7 +83,7 @@ def _n_params(args: argparse.Namespace) -> int:
 def _trees(args: argparse.Namespace) -> list[Any]:
     """Agent trees, each branch with a non-zero advantage (normal draws) and rollout
     log-probabilities on its model tokens (`agent_tree`'s own)."""
-    from tidal.train.synthetic import agent_tree
+    from tests.train.synthetic import agent_tree
 
     rng = np.random.default_rng(0)
     return [
@@ -160,7 +160,7 @@ def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str
 
 
 def _train(rank: int, world: int, args: argparse.Namespace, out: Path) -> None:
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # tidal, and tests.train.synthetic
     from transformers import Qwen2ForCausalLM
 
     from tidal.train.distributed import (
@@ -306,7 +306,7 @@ def main() -> None:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if max(worlds) > have:
             ap.error(f"--device cuda with world {max(worlds)} needs as many GPUs, found {have}")
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # tidal, and tests.train.synthetic
     from tidal.train.packing import pack_trees
 
     n = _n_params(args)

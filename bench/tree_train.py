@@ -7,7 +7,7 @@ before the first step, or CUDA max allocated), on the same random model and tree
 gradients are compared to per-path training in the same run.
 
 Workloads:
-- agent: branching agent-like trees (`tidal.train.synthetic.agent_tree`): a shared
+- agent: branching agent-like trees (`tests.train.synthetic.agent_tree`): a shared
   trunk of `--shared` of each path, `--mid` sub-trunks, `--leaves` leaves.
 - grpo: one shared prompt of `--prompt` tokens and `--group` responses of `--response`
   tokens, the only workload prefix-grouper supports; run with tidal, per-path and
@@ -93,7 +93,8 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def _trees(args: argparse.Namespace, workload: str) -> list[Any]:
-    from tidal.train.synthetic import agent_tree
+    from tests.train.synthetic import agent_tree
+
     from tidal.tree.types import Branch, Segment, TrainTree
 
     rng = np.random.default_rng(0)
@@ -356,7 +357,7 @@ def _worker(
     methods: list[str], workload: str, args: argparse.Namespace, out: str, timed: bool
 ) -> None:
     """timed: all methods in this process, interleaved; else one method, for memory."""
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # tidal, and tests.train.synthetic
     torch.set_num_threads(args.threads)
     model = _model(args)
     trees = _trees(args, workload)
@@ -619,7 +620,7 @@ def main() -> None:
         from consistent import QWEN05_SHAPE
 
         args.vocab = QWEN05_SHAPE["vocab_size"]
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # tidal, and tests.train.synthetic
     if args.inprocess:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

@@ -17,10 +17,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from tests.train.synthetic import random_tree
 from tidal.train.attention import enable_tree_attention
 from tidal.train.loss import LossConfig, per_path_loss
 from tidal.train.packing import pack_trees
-from tidal.train.synthetic import random_tree
 from tidal.train.trainer import KVCache, build_pair_terms, recompute_logprobs, tree_loss_backward
 from tidal.tree.types import TrainTree
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.train.conftest import adam_close, tiny_qwen2, with_rollout
+from tests.train.synthetic import random_tree
 from tidal.train.distributed import (
     Ranks,
     assign_trees,
@@ -35,7 +36,6 @@ from tidal.train.distributed import (
 )
 from tidal.train.loss import LossConfig
 from tidal.train.packing import pack_trees
-from tidal.train.synthetic import random_tree
 from tidal.train.trainer import TargetLM, TreeTrainer, recompute_logprobs
 from tidal.tree.types import TrainTree
 

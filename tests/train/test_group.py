@@ -15,10 +15,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
 from tests.train.conftest import adam_close  # noqa: E402
+from tests.train.synthetic import random_tree  # noqa: E402
 from tidal.engine.tiny import ensure_tiny  # noqa: E402
 from tidal.train.group import TrainerGroup, TrainerRankError, TrainerSpec  # noqa: E402
 from tidal.train.loss import LossConfig  # noqa: E402
-from tidal.train.synthetic import random_tree  # noqa: E402
 from tidal.tree.types import TrainTree  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -17,6 +17,7 @@ from tests.train.conftest import (
     tiny_qwen3,
     with_rollout,
 )
+from tests.train.synthetic import random_tree
 from tidal.train.attention import enable_tree_attention
 from tidal.train.lora import (
     PEFT_PREFIX,
@@ -29,7 +30,6 @@ from tidal.train.lora import (
 )
 from tidal.train.loss import LossConfig, per_path_loss
 from tidal.train.packing import pack_trees
-from tidal.train.synthetic import random_tree
 from tidal.train.trainer import (
     TreeTrainer,
     recompute_logprobs,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.train.conftest import tiny_qwen3
+from tests.train.synthetic import random_tree
 from tidal.train.loss import LossConfig
 from tidal.train.merge import merge_trees
 from tidal.train.packing import TreeTrainingError
-from tidal.train.synthetic import random_tree
 from tidal.train.trainer import TreeTrainer
 from tidal.tree.types import Branch, Segment, TrainTree
 

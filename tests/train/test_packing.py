@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.train.synthetic import random_tree
 from tidal.train.attention import StreamPlan
 from tidal.train.packing import PackedBatch, TreeTrainingError, pack_trees
-from tidal.train.synthetic import random_tree
 from tidal.tree.types import Branch, Segment, TrainTree
 
 

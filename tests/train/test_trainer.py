@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.train.conftest import tiny_qwen3, with_rollout
+from tests.train.synthetic import random_tree
 from tidal.train.loss import LossConfig, path_logprobs, per_path_loss
 from tidal.train.packing import TreeTrainingError, pack_trees
-from tidal.train.synthetic import random_tree
 from tidal.train.trainer import StepMetrics, TreeTrainer, recompute_logprobs
 from tidal.tree.types import TrainTree
 
