@@ -200,7 +200,7 @@ def _path_backward_each(
     is a sum over branches of coef * sum(m * loss) / (D_g * G), and D_g depends only on
     the rollout and old log-probabilities, so each branch's term can be backpropagated
     as soon as it is formed (one path's activations alive, not all of them)."""
-    from tidal.train.loss import pair_loss, path_logprobs, sequence_correction, token_correction
+    from tidal.train.loss import pair_loss, path_correction, path_logprobs
 
     plans = []
     den: dict[str, float] = {}
@@ -218,13 +218,7 @@ def _path_backward_each(
                 continue
             old_t = torch.as_tensor(o[sel], device=dev)
             delta = old_t - torch.as_tensor(roll[sel], device=dev)
-            tok = token_correction(delta, cfg)
-            if tok is None:
-                s = delta.sum()[None]
-                w1, m1 = sequence_correction(s, torch.tensor([float(sel.size)], device=dev), cfg)
-                w, m = w1.expand_as(delta), m1.expand_as(delta)
-            else:
-                w, m = tok
+            w, m = path_correction(delta, cfg)
             den[b.norm_group] += b.coef * float(m.sum())
             plans.append((b, ids, sel, old_t, w, m))
     n_groups = max(len(den), 1)

@@ -154,6 +154,18 @@ def path_logprobs(
     return logits.gather(1, ids_L[positions, None])[:, 0] - logits.logsumexp(-1)
 
 
+def path_correction(delta: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One path's importance correction from its tokens' `delta` (old minus rollout
+    logprobs): per token (`token_correction`), or one sequence-level weight and mask
+    spread over the path's tokens. Returns (weights, mask), each shaped like `delta`."""
+    tok = token_correction(delta, cfg)
+    if tok is not None:
+        return tok
+    n = torch.tensor([float(delta.numel())], device=delta.device)
+    w1, m1 = sequence_correction(delta.sum()[None], n, cfg)
+    return w1.expand_as(delta), m1.expand_as(delta)
+
+
 def per_path_loss(
     model: torch.nn.Module,
     trees: Sequence[TrainTree],
@@ -185,13 +197,7 @@ def per_path_loss(
             )
             old_t = torch.as_tensor(old[sel], device=device)
             delta = old_t - torch.as_tensor(roll[sel], device=device)
-            tok = token_correction(delta, cfg)
-            if tok is None:
-                s = delta.sum()[None]
-                w1, m1 = sequence_correction(s, torch.tensor([float(sel.size)], device=device), cfg)
-                w, m = w1.expand_as(delta), m1.expand_as(delta)
-            else:
-                w, m = tok
+            w, m = path_correction(delta, cfg)
             ref = None
             if ref_logprobs is not None:
                 ref_np = np.concatenate(
