@@ -97,11 +97,12 @@ def seed_key(session_id: str) -> str:
     return _RANDOM_PART.sub("", session_id, count=1)
 
 
-def _episode_sessions(store: LedgerStore, main: str, known: Sequence[str]) -> list[str]:
-    """The main session, then every recorded session below it (subagents), then those
-    the harness reported that the store does not link (kept for their statuses)."""
-    out = store.episode_sessions(main)
-    return out + [s for s in known if s not in out]
+def _episode_sessions(tree: Mapping[str, str | None], known: Sequence[str]) -> list[str]:
+    """The main session, then every recorded session below it (subagents: `tree`, from
+    `LedgerStore.episode_tree`), then those the harness reported that the store does
+    not link (kept for their statuses)."""
+    out = list(tree)
+    return out + [s for s in known if s not in tree]
 
 
 def _outcomes(sessions: Sequence[str], main: str, result: HarnessResult,
@@ -230,8 +231,9 @@ class Rollouts:
             hooks.done(ep)
             return ep
         self._keep_log(session_id, result)
-        self._note_subagents(session_id)
-        sessions = _episode_sessions(self.store, session_id, list(result.sessions))
+        tree = self.store.episode_tree(session_id)  # one walk: metadata and outcomes
+        self._note_subagents(session_id, tree)
+        sessions = _episode_sessions(tree, list(result.sessions))
         status = result.status if self.store.has_session(session_id) else "infra_error"
         left = hooks.abandoned(sessions)
         # a session that failed before its first call has nothing to train: no outcome
@@ -261,14 +263,14 @@ class Rollouts:
         with self.new_runtime(self.config_for(task)) as runtime:
             return demonstrations(task, runtime=runtime)
 
-    def _note_subagents(self, main: str) -> None:
+    def _note_subagents(self, main: str, tree: Mapping[str, str | None]) -> None:
         """The episode's subagent sessions get its main session's metadata (the run
         recorded it before the episode started), each with its parent session."""
         root = self.store.session_meta([main]).get(main)
         if root is None:
             return
         below = {sid: replace(root, parent=parent)
-                 for sid, parent in self.store.episode_tree(main).items() if parent is not None}
+                 for sid, parent in tree.items() if parent is not None}
         if below:
             self.store.record_meta(below)
 
