@@ -245,6 +245,13 @@ class Watched:
     def upload(self, src: Path, dest: str) -> None:
         self.rt.upload(src, dest)
 
+    @property
+    def can_snapshot(self) -> bool:
+        return self.rt.can_snapshot
+
+    def snapshot(self, path: Path) -> None:
+        self.rt.snapshot(path)
+
 
 REPLAYED = (  # not idempotent: a command run twice shows in the files
     bash("echo one >> log.txt && cat log.txt"),

@@ -36,10 +36,11 @@ def user_module() -> Iterator[str]:
     mod = types.ModuleType("tidal_user_mod")
     mod.TASKS = TASKS  # type: ignore[attr-defined]
     mod.make_tasks = lambda seed: TASKS[: 3 + seed]  # type: ignore[attr-defined]
-    mod.taskset = lambda: TaskSet("u", tuple(TASKS[:4]), tuple(TASKS[4:]))  # type: ignore[attr-defined]
+    mod.taskset = lambda seed: TaskSet("u", tuple(TASKS[:4]), tuple(TASKS[4:]))  # type: ignore[attr-defined]
     mod.UserHarness = UserHarness  # type: ignore[attr-defined]
     mod.user_fn = user_fn  # type: ignore[attr-defined]
     mod.nothing = 3  # type: ignore[attr-defined]
+    mod.no_seed = lambda: TASKS  # type: ignore[attr-defined]
     sys.modules["tidal_user_mod"] = mod
     yield "tidal_user_mod"
     del sys.modules["tidal_user_mod"]
@@ -86,6 +87,9 @@ def test_task_sources_resolve_from_builtins_directories_and_module_attr(
         select(f"{user_module}:TASKS", heldout=f"{user_module}:TASKS")
     with pytest.raises(names.ComponentError, match="must give a TaskSet or a non-empty"):
         select(f"{user_module}:nothing")
+    with pytest.raises(names.ComponentError, match=r"calling it as factory\(seed=\.\.\.\) "
+                       "failed: .*unexpected keyword argument 'seed'"):
+        select(f"{user_module}:no_seed")
 
 
 def test_a_generated_set_and_a_split_directory_keep_their_own_split(tmp_path: Path,
@@ -193,3 +197,28 @@ def test_lora_round_trips_through_the_saved_config(tmp_path: Path) -> None:
     p.write_text(dump_config(cfg))
     assert load_config(p) == cfg and cfg.train.lora is not None
     assert "lora" not in dump_config(parse_config({}))  # absent stays absent
+
+
+def test_a_user_runtime_factory_is_checked_when_it_yields(user_module: str,
+                                                          tmp_path: Path) -> None:
+    """`rollout.sandbox = "module:attr"`: a context manager of a ToolRuntime; one that
+    yields something else is named, with what it lacks."""
+    import contextlib
+
+    from tidal.agent.runtime import LocalDirRuntime
+    from tidal.sandbox import SandboxConfig
+
+    class Partial:  # a runtime from before snapshots were part of the protocol
+        def exec(self, command: str, timeout_s: float) -> None: ...
+
+    mod = sys.modules[user_module]
+    mod.good = lambda config: contextlib.nullcontext(LocalDirRuntime(tmp_path))  # type: ignore[attr-defined]
+    mod.bad = lambda config: contextlib.nullcontext(Partial())  # type: ignore[attr-defined]
+    with components.make_runtime_factory(f"{user_module}:good")(SandboxConfig()) as rt:
+        rt.write_file("a.txt", "hi")
+        assert rt.read_file("a.txt") == "hi" and not rt.can_snapshot
+    bad = components.make_runtime_factory(f"{user_module}:bad")(SandboxConfig())
+    with pytest.raises(names.ComponentError,
+                       match=r"gave a Partial, not a ToolRuntime .*lacks read_file, "
+                             r"write_file, list, upload, can_snapshot, snapshot"), bad:
+        pass

@@ -132,6 +132,13 @@ class DeadlineRuntime:
     def upload(self, src: Path, dest: str) -> None:
         self.runtime.upload(src, dest)
 
+    @property
+    def can_snapshot(self) -> bool:
+        return self.runtime.can_snapshot
+
+    def snapshot(self, path: Path) -> None:
+        self.runtime.snapshot(path)
+
 
 HarnessFunction = Callable[[EpisodeContext], "HarnessResult | None"]
 

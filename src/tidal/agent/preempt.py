@@ -91,8 +91,21 @@ class _Guarded:
         self._check()
         self._rt.upload(src, dest)
 
-    def __getattr__(self, name: str) -> Any:  # what only the runtime has (`sandbox`)
-        return getattr(self._rt, name)
+    @property
+    def can_snapshot(self) -> bool:
+        return self._rt.can_snapshot
+
+    def snapshot(self, path: Path) -> None:
+        self._rt.snapshot(path)
+
+
+class ReplayProgress(Protocol):
+    """How far a replayed session got (`tidal.gateway.replay.ReplayStatus`)."""
+
+    @property
+    def left(self) -> tuple[str, ...]:
+        """Its recorded calls never asked for again, in record order."""
+        ...
 
 
 class ReplayControl(Protocol):
@@ -100,7 +113,7 @@ class ReplayControl(Protocol):
 
     def replay(self, session_ids: Sequence[str]) -> int: ...
 
-    def replay_status(self, session_id: str) -> Any: ...
+    def replay_status(self, session_id: str) -> ReplayProgress | None: ...
 
 
 @dataclass(frozen=True)
@@ -268,7 +281,7 @@ class LiveEpisodes:
             cm = new_runtime(config)
         with cm as rt:
             live = _Live(group, record, rt, time.monotonic() - record.elapsed_s,
-                         can_snapshot=snapshots and isinstance(rt, SandboxRuntime))
+                         can_snapshot=snapshots and rt.can_snapshot)
             if d.is_dir():
                 self._save(live, snapshot=False)
             with self._lock:
@@ -359,9 +372,8 @@ class LiveEpisodes:
         took = 0.0
         if snapshot:
             t0 = time.perf_counter()
-            sandbox = live.runtime.sandbox  # type: ignore[attr-defined]
             with contextlib.suppress(SandboxError, OSError):  # a closing sandbox: skip
-                sandbox.snapshot(d / f"{sid}.tar")
+                live.runtime.snapshot(d / f"{sid}.tar")
                 took = time.perf_counter() - t0
                 self.snapshots += 1
                 self.snapshot_s += took

@@ -47,8 +47,15 @@ class ToolRuntime(Protocol):
     check instead of erroring); `list` returns the entry names of a directory, sorted,
     directories suffixed with "/"; `upload` copies a host file or directory tree (its
     contents, executable bits kept) to `dest` in the runtime (how a test.sh grader puts
-    tests/ at /tests).
+    tests/ at /tests); `snapshot` saves the runtime's files and command log to `path` as
+    a `tidal.sandbox` snapshot, which a restored sandbox continues from (a preempted
+    episode's), and is called only when `can_snapshot` is True.
     """
+
+    @property
+    def can_snapshot(self) -> bool: ...
+
+    def snapshot(self, path: Path) -> None: ...
 
     def exec(
         self, command: str, timeout_s: float, *, env: Mapping[str, str] | None = None
@@ -80,6 +87,11 @@ class LocalDirRuntime:
             raise RuntimeToolError(f"output_cap must be >= 1, got {output_cap}")
         self.root = root.resolve()
         self.output_cap = output_cap
+
+    can_snapshot = False  # a plain directory: an episode resumes in a fresh one
+
+    def snapshot(self, path: Path) -> None:
+        raise RuntimeToolError("a local directory runtime takes no snapshots")
 
     def resolve(self, path: str) -> Path:
         """Map an agent-visible path to a host path under the root, refusing escapes."""

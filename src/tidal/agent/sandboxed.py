@@ -56,6 +56,11 @@ class SandboxRuntime:
             raise RuntimeToolError(str(e)) from e
         return sorted(e.name + ("/" if e.kind == "dir" else "") for e in entries)
 
+    can_snapshot = True
+
+    def snapshot(self, path: Path) -> None:
+        self.sandbox.snapshot(path)
+
     def upload(self, src: Path, dest: str) -> None:
         """Copy a host file or directory tree into the sandbox through its file API
         (modes kept; symlinks are followed only when they stay inside `src`)."""

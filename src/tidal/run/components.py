@@ -26,12 +26,11 @@ when the run starts (`make_*`), with errors that name the key.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tidal.agent.episode import FunctionHarness, Harness
 from tidal.agent.harbor import GENERATED_SETS, HARBOR_SETS, load_split, load_tasks
@@ -51,7 +50,7 @@ if TYPE_CHECKING:
     from tidal.agent.harness import AgentConfig
     from tidal.run.config import RunConfig, TasksConfig
     from tidal.schedule.backend import Migrator, SwitchHook
-    from tidal.schedule.scheduler import Scheduler
+    from tidal.schedule.scheduler import RolloutScheduler
     from tidal.train.group import TrainerGroup, TrainerSpec
 
 RuntimeFactory = Callable[[SandboxConfig], contextlib.AbstractContextManager[ToolRuntime]]
@@ -91,8 +90,11 @@ def load_task_source(value: str, *, seed: int, key: str) -> TaskSet | list[Task]
     if is_attr(value):
         obj = load_attr(value, key)
         if callable(obj) and not isinstance(obj, TaskSet):
-            params = inspect.signature(obj).parameters
-            obj = obj(seed=seed) if "seed" in params else obj()
+            try:  # a factory: given the run's seed, so a seeded set draws alike on resume
+                obj = obj(seed=seed)
+            except TypeError as e:
+                raise ComponentError(f"{key} {value!r}: calling it as factory(seed=...) "
+                                     f"failed: {e}") from e
         if isinstance(obj, TaskSet):
             return obj
         tasks = list(obj) if isinstance(obj, list | tuple) else None
@@ -189,8 +191,20 @@ def make_runtime_factory(kind: str) -> RuntimeFactory:
     obj = load_attr(kind, "rollout.sandbox")
     if not callable(obj):
         raise ComponentError(f"rollout.sandbox {kind!r} is not callable")
-    factory: RuntimeFactory = obj
-    return factory
+    factory: Callable[[SandboxConfig], contextlib.AbstractContextManager[object]] = obj
+
+    @contextlib.contextmanager
+    def checked(config: SandboxConfig) -> Iterator[ToolRuntime]:
+        with factory(config) as runtime:
+            if not isinstance(runtime, ToolRuntime):
+                missing = [m for m in ("exec", "read_file", "write_file", "list", "upload",
+                                       "can_snapshot", "snapshot") if not hasattr(runtime, m)]
+                raise ComponentError(
+                    f"rollout.sandbox = {kind!r} gave a {type(runtime).__name__}, not a "
+                    f"ToolRuntime (tidal.agent.runtime): it lacks {', '.join(missing)}")
+            yield runtime
+
+    return checked
 
 
 def make_environments(cfg: RunConfig) -> Environments:
@@ -280,24 +294,31 @@ def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_versio
 
 def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
                    on_switch: SwitchHook | None = None, switch_s: float = 0.0,
-                   migrator: Migrator | None = None) -> Scheduler:
-    """The elastic scheduler over `schedule.devices` devices of `schedule.backend`,
-    `rollout.tasks_per_step` groups per step, staleness bound `rl.max_staleness`. On the
+                   migrator: Migrator | None = None) -> RolloutScheduler:
+    """What runs `rollout.tasks_per_step` task groups a step on `schedule.devices` devices
+    of `schedule.backend`, staleness bound `rl.max_staleness`. Colocated on the local
+    backend is a plain loop (`Colocated`: roll out a batch, then train it); the elastic and
+    async policies, and any policy on another backend, get the elastic scheduler. On the
     local backend a role switch moves no model (the engine and the trainer are both in
     this process) unless `on_switch(device, role)` does (vLLM servers sleep while their
     device trains and restart when it returns, `switch_s` seconds); `mean_group_s` scales
     the elastic policy's time constants. With `schedule.migration`, `migrator` moves live
     task groups off a device that switches to training."""
+    from tidal.schedule.backend import Backend
+    from tidal.schedule.colocated import Colocated
     from tidal.schedule.local import LocalBackend
     from tidal.schedule.policy import policy_named
     from tidal.schedule.scheduler import Scheduler
     from tidal.schedule.types import MIGRATE_S, PoolConfig
 
     s = cfg.schedule
+    if s.backend == "local" and s.policy == "colocated":
+        return Colocated(s.devices, s.groups_per_device, cfg.rollout.tasks_per_step,
+                         max_staleness=cfg.rl.max_staleness, on_switch=on_switch)
     if s.backend == "local":
-        backend: Any = LocalBackend(s.devices, s.groups_per_device, mode="thread",
-                                    on_switch=on_switch,
-                                    migrator=migrator if s.migration else None)
+        backend: Backend = LocalBackend(s.devices, s.groups_per_device, mode="thread",
+                                        on_switch=on_switch,
+                                        migrator=migrator if s.migration else None)
     else:
         backend = load_attr(s.backend, "schedule.backend")(s.devices, s.groups_per_device)
     config = PoolConfig(

@@ -31,12 +31,13 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from tidal.agent.episode import Harness
 from tidal.agent.harness import AgentConfig
@@ -84,7 +85,7 @@ class Parts:
 
     cfg: RunConfig
     run_dir: Path
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     engine: Engine
     store: LedgerStore
     gateway: GatewayServer
@@ -313,7 +314,8 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
                                                                                        state)))
             state, sessions, schedule = rl_phase(parts, state)
             end = parts.evaluate("end", state)
-            _sample_trees(parts.store, sessions, run_dir / "trees", parts.tokenizer.decode)
+            _sample_trees(parts.store, sessions, run_dir / "trees",
+                          lambda ids: str(parts.tokenizer.decode(list(ids))))
     except TrainerRankError as e:  # a rank died: the last checkpoint is whole
         parts.log.close(failed=True)
         raise RunError(str(e)) from e
@@ -541,7 +543,8 @@ def _offer(demo: Demonstration, tools: tuple[str, ...]) -> Demonstration:
 
 
 def _sample_trees(
-    store: LedgerStore, session_ids: list[str], out: Path, decode: Any, n: int = 4
+    store: LedgerStore, session_ids: list[str], out: Path,
+    decode: Callable[[Sequence[int]], str], n: int = 4
 ) -> None:
     """Tree pages of a few episodes of the last step, and `index.json` (each one's
     status, reward, sessions, calls and edges), for `tidal report`."""

@@ -27,7 +27,7 @@ from tidal.run.progress import RunLog
 from tidal.run.rollout import Episode, new_session_id, seed_key
 from tidal.schedule.backend import Work
 from tidal.schedule.curriculum import TaskSignal, sample_batch
-from tidal.schedule.scheduler import Sample, Scheduler
+from tidal.schedule.scheduler import RolloutScheduler, Sample
 
 
 def cpu_seconds() -> float:
@@ -106,7 +106,7 @@ class RolloutQueue:
     batches, and call `trained` once a batch's step is checkpointed and `refill` once
     the step is over."""
 
-    def __init__(self, sched: Scheduler, rollouts: LiveRollouts, draws: TaskDraws, *,
+    def __init__(self, sched: RolloutScheduler, rollouts: LiveRollouts, draws: TaskDraws, *,
                  steps: int, first_step: int, tasks_per_step: int, group_size: int,
                  max_staleness: int, base_version: int, trained: set[str],
                  carry: Sequence[str], tasks: Sequence[Task], log: RunLog) -> None:

@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tidal.ledger import Status
 from tidal.schedule.backend import (
@@ -106,16 +106,43 @@ class MiniBatch:
     samples: tuple[Sample, ...]
     devices: tuple[int, ...]
     version: int
-    _sched: Scheduler = field(repr=False)
+    _train_done: Callable[[MiniBatch], bool] = field(repr=False)
     _done: bool | None = field(default=None, repr=False)
 
     def done(self) -> bool:
         if self._done is None:
-            self._done = self._sched._train_done(self)
+            self._done = self._train_done(self)
         return self._done
 
     def __len__(self) -> int:
         return len(self.samples)
+
+
+class RolloutScheduler(Protocol):
+    """Where the RL loop (`tidal.run.queue.RolloutQueue`) meets a scheduler: `Scheduler`
+    (the elastic and async policies, any backend) or `tidal.schedule.colocated.Colocated`
+    (colocated on this machine, a plain loop). Used as a context manager while it runs."""
+
+    def __enter__(self) -> RolloutScheduler: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def submit_many(self, works: Iterable[Work]) -> list[int]:
+        """Queue rollouts; their session ids."""
+        ...
+
+    def iter_batches(self, *, steps: int | None = None,
+                     flush: bool = True) -> Iterator[MiniBatch]: ...
+
+    def step_done(self, version: int | None = None) -> int:
+        """The batch is trained: publish the next policy version."""
+        ...
+
+    def failed(self) -> list[FailedSession]: ...
+
+    def dropped(self) -> list[int]: ...
+
+    def metrics(self) -> dict[str, Any]: ...
 
 
 class Scheduler:
@@ -253,7 +280,8 @@ class Scheduler:
                         break
                     if self._step_ready and not self._open and not self._pending_step_done:
                         # a flushed step with nothing left to train
-                        mb = MiniBatch(next(self._mb_ids), (), (), self.pool.version, self)
+                        mb = MiniBatch(next(self._mb_ids), (), (), self.pool.version,
+                                       self._train_done)
                         mb._done = True
                         self._pending_step_done = True
                         break
@@ -461,7 +489,7 @@ class Scheduler:
                     ),
                     tuple(e.device for e in trains),
                     pool.version,
-                    self,
+                    self._train_done,
                 )
             )
 
