@@ -88,6 +88,14 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
         versions = {sc.call.policy_version for sid in rl_sessions
                     for sc in store.call_log(sid).calls}
         assert versions == {1, 2}  # each step sampled with the weights of the step before
+        # tool calls per episode, beside success: what each step's recorded calls made
+        for r in rl:
+            sids = [sid for sid in rl_sessions if meta[sid].step == r["step"]]
+            made = sum(len(sc.call.tool_calls or ()) for sid in sids
+                       for sc in store.call_log(sid).calls)
+            main = [sid for sid in sids if meta[sid].parent is None]
+            assert r["tool_calls_per_episode"] == pytest.approx(made / len(main)), r
+        assert any(r["tool_calls_per_episode"] > 0 for r in rl)
         result = process_store(store, rl_sessions, strict=False)
     edges: dict[str, int] = {}
     for ep in result.episodes:

@@ -149,6 +149,8 @@ class Parts:
                           "families": _family_rates(eps, self.heldout),
                           "grader_errors": _grader_errors(eps),
                           "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
+                          # beside success: a rise that came from skipping the tools shows
+                          "tool_calls_per_episode": _tool_calls(eps),
                           "seconds": time.perf_counter() - t0,
                           "policy_version": self.engine.policy_version,
                           # since the last step's row: this evaluation's calls
@@ -531,6 +533,11 @@ def _family_rates(episodes: list[Episode], tasks: list[Task]) -> dict[str, float
     return {k: round(sum(v) / len(v), 4) for k, v in sorted(by.items())}
 
 
+def _tool_calls(episodes: list[Episode]) -> float:
+    """Tool calls per episode (its subagents' included)."""
+    return sum(e.tool_calls for e in episodes) / max(len(episodes), 1)
+
+
 def _grader_errors(episodes: list[Episode]) -> int:
     return sum(e.grader_error is not None for e in episodes)
 
@@ -617,6 +624,7 @@ def _step_row(
         "grader_errors": _grader_errors(eps),
         # calls whose text looked like a tool call no parser accepted (docs/gateway.md)
         "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
+        "tool_calls_per_episode": _tool_calls(eps),
         "staleness": [grp.staleness for grp in groups],
         "rollout_s": t_wait, "train_s": t_train,
         # tokens trained (summed over paths, as per-path training would count them)

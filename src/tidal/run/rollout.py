@@ -66,6 +66,7 @@ class Episode:
     # what its recorded calls sampled, read once when it ends (the step's figures and
     # the scheduler's staleness come from here, not from the ledger again)
     tokens: int = 0  # model tokens sampled
+    tool_calls: int = 0  # tool calls its model turns made (subagents' included)
     oldest_version: int | None = None  # policy version of its oldest sampled token
     first_call_at: float | None = None  # its first call's start (time.time())
     last_call_at: float | None = None  # its last call's end
@@ -76,6 +77,7 @@ def sampled_figures(calls: Sequence[Call]) -> dict[str, Any]:
     if not calls:
         return {}
     return {"tokens": sum(int(c.output_ids.shape[0]) for c in calls),
+            "tool_calls": sum(len(c.tool_calls or ()) for c in calls),
             "oldest_version": min(c.policy_version for c in calls),
             "first_call_at": min(c.started_at for c in calls),
             "last_call_at": max(c.ended_at for c in calls)}
