@@ -19,6 +19,7 @@ import pytest
 
 from tests.run.loop_runs import small_config
 from tidal.ledger import LedgerStore
+from tidal.run.checkpoint import find_checkpoint, load_state
 from tidal.run.config import parse_config
 from tidal.run.loop import RunError, rl_task_pool, run, warm_start_batches
 from tidal.run.report import render_report
@@ -157,3 +158,36 @@ def test_undemonstrated_rl_tasks_are_those_the_warm_start_did_not_imitate(
     assert len(rolled) == 4 and not rolled & imitated, (rolled, imitated)
 
 
+@pytest.mark.slow
+def test_dynamic_sampling_rolls_groups_that_scored_alike_again(tmp_path: Path) -> None:
+    """`rollout.dynamic_sampling`: a group whose samples all scored alike is rolled again
+    on a fresh task of its family; the batch stays whole, the replaced sessions are
+    recorded (with outcomes) and never trained. The model is not warm-started, so at a low
+    temperature its groups mostly fail alike. (The families' advantages are balanced on
+    the way: `rl.advantage_balance`, tested in tests/tree/test_rewards.py.)"""
+    out = tmp_path / "run"
+    cfg = small_config(tasks={"name": "digits", "train_size": 12, "heldout_size": 1},
+                       warmstart={"steps": 0},
+                       rl={"steps": 1, "advantage_balance": "family"},
+                       rollout={"dynamic_sampling": 2, "tasks_per_step": 2, "max_turns": 2,
+                                "tools": ["write_file", "finish"]})
+    run(parse_config(cfg), out)
+    (row,) = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text()
+                          .splitlines()) if r["phase"] == "rl"]
+    ckpt = find_checkpoint(out)
+    assert ckpt is not None
+    state = load_state(ckpt)
+    with LedgerStore(out / "ledger.db", readonly=True) as store:
+        meta = store.session_meta()
+        outcomes = store.outcomes()
+    main = [sid for sid, m in meta.items() if m.phase == "rl" and m.parent is None]
+    trained = [sid for sid in main if sid in state.trained_sessions]
+    replaced = [sid for sid in main if sid in state.dropped_sessions]
+    assert row["groups_replaced"] >= 1, row
+    assert len(replaced) == 2 * row["groups_replaced"]  # groups of two
+    assert len(trained) == 2 * 2 and not set(trained) & set(replaced)  # a whole batch
+    assert set(main) == set(trained) | set(replaced)
+    groups: dict[str, list[float]] = {}
+    for sid in replaced:  # each replaced group scored alike, and was graded
+        groups.setdefault(meta[sid].task_id, []).append(outcomes[sid].reward)
+    assert all(len(set(rewards)) == 1 for rewards in groups.values()), groups

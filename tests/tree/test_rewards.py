@@ -9,7 +9,13 @@ import pytest
 from tests.tree.synth import SynthWriter, write_fanout, write_linear
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Status
-from tidal.tree.process import BATCH_GROUP, ProcessResult, process_store, select_paths
+from tidal.tree.process import (
+    BATCH_GROUP,
+    ProcessResult,
+    balance_advantages,
+    process_store,
+    select_paths,
+)
 from tidal.tree.weights import group_weight_sums
 
 
@@ -142,3 +148,28 @@ def test_coverage_order_prefers_new_model_tokens() -> None:
         return sum(int(s.model_mask.sum()) for t in res.trees for s in t.segments)
 
     assert (model_tokens(longest), model_tokens(cover)) == (20 + 30 + 2 + 2, 20 + 10 + 30 + 2)
+
+
+def test_skills_balanced_carry_equal_signal(store: LedgerStore, writer: SynthWriter) -> None:
+    # skill x: two groups that disagree (|A| mass 2 x 1.0); skill y: one group of 0.5 mass
+    for sid, task, r in (("a", "t1", 1.0), ("b", "t1", 0.0), ("c", "t2", 1.0),
+                         ("d", "t2", 0.0), ("e", "t3", 0.75), ("f", "t3", 0.25),
+                         ("g", "t4", 1.0), ("h", "t4", 1.0)):
+        write_linear(writer, sid, task_id=task)
+        writer.outcome(sid, Status.COMPLETE, r)
+    trees = process_store(store).trees
+    skill = {"a": "x", "b": "x", "c": "x", "d": "x", "e": "y", "f": "y", "g": "z", "h": "z"}
+    out = balance_advantages(trees, skill)
+    adv = {t.tree_id: t.branches[0].advantage for t in out}
+
+    def mass(k: str, a: dict[str, float]) -> float:
+        return sum(abs(v) for s, v in a.items() if skill[s] == k)
+
+    before = {t.tree_id: t.branches[0].advantage for t in trees}
+    assert mass("x", before) == pytest.approx(2.0) and mass("y", before) == pytest.approx(0.5)
+    assert mass("x", adv) == pytest.approx(mass("y", adv)) == pytest.approx(1.25)
+    assert mass("x", adv) + mass("y", adv) == pytest.approx(2.5)  # the total is kept
+    assert adv["g"] == adv["h"] == 0.0  # a skill with no signal stays at 0
+    assert adv["a"] == pytest.approx(0.5 * 1.25 / 2.0) and adv["e"] == pytest.approx(0.25 * 2.5)
+    # one skill only (or none with signal): nothing changes
+    assert balance_advantages(trees, dict.fromkeys(skill, "x")) == list(trees)

@@ -213,6 +213,11 @@ class RolloutConfig(_Section):
         description="which training tasks a batch rolls out: uniformly, favouring tasks "
         "whose groups' rewards differed, or spread over the task families (docs/config.md)",
     )
+    dynamic_sampling: int = Field(
+        0, ge=0, description="DAPO's dynamic sampling: a task group whose samples all "
+        "scored alike (nothing to learn from) is rolled again on a fresh task of the same "
+        "family, up to N times (0: off); the replaced groups are recorded, never trained",
+    )
     task_pool: Literal["all", "undemonstrated"] = Field(
         "all", description="the training tasks RL draws from: all, or only those the warm "
         "start did not imitate (their answers are found, not recalled)",
@@ -274,6 +279,11 @@ class RLConfig(_Section):
         "reward (mean; mean_std also divides by the group's std), the mean reward of the "
         "step's whole batch (batch_mean: a group that all fails or all succeeds still "
         "carries signal), or none (docs/trees.md)",
+    )
+    advantage_balance: Literal["none", "family"] = Field(
+        "none", description="family: each task family's advantages rescaled so every "
+        "skill carries the same share of the batch's signal (sum of |advantage| x coef), "
+        "so one skill cannot take over what the skills share (docs/trees.md)",
     )
     correction: Literal["none", "tis", "mis", "seq_tis", "geo_mis", "icepop"] = Field(
         "tis", description="train/inference importance correction"

@@ -68,7 +68,7 @@ from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
 from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
 from tidal.train.warmstart import render_all
-from tidal.tree import process_store
+from tidal.tree import TrainTree, balance_advantages, process_store
 from tidal.tree.html import render_episode_html
 
 
@@ -422,9 +422,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
         for batch in queue.batches():
             sessions = batch.sessions
             t1 = time.perf_counter()
-            trees = process_store(parts.store, sessions, max_paths=cfg.rl.max_paths,
-                                  incomplete=cfg.rl.timeout_reward, advantage=cfg.rl.advantage,
-                                  normalisation=cfg.rl.normalization, strict=False).trees
+            trees = batch_trees(parts, batch)
             metrics = parts.trainer.step(trees).as_dict() if trees else {}
             t_train = time.perf_counter() - t1
             state = state.advance(**_stepped(state, batch))
@@ -439,7 +437,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
                 sampled=_sampled(batch.episodes),
                 engine={"weight_sync_s": sync_s, **parts.engine_metrics()},
                 trainer={**parts.trainer.metrics(), **_snapshot_figures(parts.live.episodes)},
-                ledger_rows_read=parts.ledger_rows_read(),
+                ledger_rows_read=parts.ledger_rows_read(), replaced=len(batch.replaced),
             ))
             log.advance("rl")
             if state.step % cfg.eval.every == 0 and state.step < cfg.rl.steps:
@@ -447,6 +445,22 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             queue.refill(batch, state.task_signal)
         schedule = _schedule_summary(queue.summary())
     return state, sessions, schedule
+
+
+def batch_trees(parts: Parts, batch: Batch) -> list[TrainTree]:
+    """The batch's sessions as trees to train (docs/trees.md), read from the ledger; with
+    `rl.advantage_balance = "family"` each task family's advantages are rescaled to an
+    equal share of the batch's signal (`balance_advantages`)."""
+    rl = parts.cfg.rl
+    trees = list(process_store(parts.store, batch.sessions, max_paths=rl.max_paths,
+                               incomplete=rl.timeout_reward, advantage=rl.advantage,
+                               normalisation=rl.normalization, strict=False).trees)
+    if rl.advantage_balance == "family":
+        family = {t.task_id: t.family or "(none)" for t in parts.train_tasks}
+        trees = balance_advantages(trees, {
+            sid: family.get(e.task_id, "(none)") for e in batch.episodes for sid in e.session_ids
+        })
+    return trees
 
 
 def rollout_queue(parts: Parts, state: RunState) -> tuple[RolloutQueue, list[LiveGroup]]:
@@ -467,7 +481,7 @@ def rollout_queue(parts: Parts, state: RunState) -> tuple[RolloutQueue, list[Liv
         tasks_per_step=cfg.rollout.tasks_per_step, group_size=cfg.rollout.group_size,
         max_staleness=cfg.rl.max_staleness, base_version=state.policy_version,
         trained=set(state.trained_sessions) | set(state.dropped_sessions), carry=carry,
-        tasks=parts.train_tasks, log=parts.log)
+        tasks=parts.train_tasks, log=parts.log, resample=cfg.rollout.dynamic_sampling)
     return queue, resumed
 
 
@@ -477,7 +491,7 @@ def _stepped(state: RunState, batch: Batch) -> dict[str, Any]:
         "step": state.step + 1, "policy_version": state.policy_version + 1,
         "trained_sessions": (*state.trained_sessions, *batch.sessions),
         "dropped_sessions": tuple(dict.fromkeys((*state.dropped_sessions,
-                                                 *batch.gone_sessions))),
+                                                 *batch.untrained))),
         "sessions": state.sessions + len(batch.sessions),
         "task_signal": record_groups(state.task_signal, batch.group_rewards),
     }
@@ -605,7 +619,7 @@ def _step_row(
     state: RunState, *, eps: list[Episode], m: dict[str, float], t_wait: float,
     t_train: float, wall: float, cpu: float, groups: list[Sample], sched: dict[str, Any],
     sampled: tuple[int, float] = (0, 0.0), engine: dict[str, Any] | None = None,
-    trainer: dict[str, Any] | None = None, ledger_rows_read: int = 0,
+    trainer: dict[str, Any] | None = None, ledger_rows_read: int = 0, replaced: int = 0,
 ) -> dict[str, Any]:
     """One RL step's metrics row. `rollout_s` is how long the trainer waited for its
     batch (rollouts of other batches may overlap training under elastic/async);
@@ -626,6 +640,9 @@ def _step_row(
         "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
         "tool_calls_per_episode": _tool_calls(eps),
         "staleness": [grp.staleness for grp in groups],
+        # groups rolled again on a fresh task since the last row: their samples all
+        # scored alike (rollout.dynamic_sampling)
+        "groups_replaced": replaced,
         "rollout_s": t_wait, "train_s": t_train,
         # tokens trained (summed over paths, as per-path training would count them)
         "train_tokens_per_s": m.get("path_tokens", 0.0) / t_train if t_train else 0.0,

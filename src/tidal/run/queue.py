@@ -5,7 +5,9 @@ generator of its own, seeded by (run seed, step), so a resumed run draws what th
 uninterrupted one did. `RolloutQueue` owns everything between those draws and a trained
 step: it queues task groups on the scheduler as late as the staleness bound allows,
 resumes the groups a killed attempt left live, replaces groups dropped as stale or
-failed, and yields each step's `Batch` of finished groups, in memory. The ledger is the
+failed, rolls again on a fresh task a group whose samples all scored alike (DAPO's
+dynamic sampling, `rollout.dynamic_sampling`), and yields each step's `Batch` of
+finished groups, in memory. The ledger is the
 durable record of what the groups sampled, not the channel the batch comes through.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import random
 import resource
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -25,7 +28,7 @@ from tidal.ledger import LedgerStore, Outcome, SessionMeta, Status
 from tidal.run.live import LiveRollouts
 from tidal.run.progress import RunLog
 from tidal.run.rollout import Episode, new_session_id, seed_key
-from tidal.schedule.backend import Work
+from tidal.schedule.backend import RolloutResult, Work
 from tidal.schedule.curriculum import TaskSignal, sample_batch
 from tidal.schedule.scheduler import RolloutScheduler, Sample
 
@@ -68,14 +71,26 @@ class TaskDraws:
                 continue
             return task
 
+    def fresh(self, step: int, group: int, attempt: int, like: Task) -> Task | None:
+        """Another task of `like`'s family, for the `attempt`-th roll again of the step's
+        `group`-th group (dynamic sampling), drawn with a generator of its own: what it
+        draws does not depend on which group finished first. None when the family has
+        no other task."""
+        same = [t for t in self._pool if t.family == like.family and t.task_id != like.task_id]
+        if not same:
+            return None
+        return random.Random(f"{self._seed}/rl/{step}/{group}/{attempt}").choice(same)
+
 
 @dataclass(frozen=True)
 class Batch:
     """One RL step's finished task groups. `episodes` in seed-key order (a seed trains
     alike whatever finished first); `carry`: sessions a killed attempt committed and never
     trained; `gone`: every group dropped as stale or failed so far in this run, with
-    `gone_sessions` their main sessions; `waited_s`: how long the trainer waited for the
-    batch, from the end of the last step."""
+    `gone_sessions` their main sessions; `replaced`: groups whose samples all scored
+    alike, rolled again on a fresh task since the last batch (dynamic sampling: their
+    task, rewards and sessions, recorded and never trained); `waited_s`: how long the
+    trainer waited for the batch, from the end of the last step."""
 
     step: int
     groups: tuple[Sample, ...]
@@ -86,6 +101,7 @@ class Batch:
     waited_s: float
     started: float  # perf_counter() when the wait began
     cpu_started: float  # the process's CPU seconds then
+    replaced: tuple[Replaced, ...] = ()
 
     @property
     def sessions(self) -> list[str]:
@@ -94,8 +110,25 @@ class Batch:
 
     @property
     def group_rewards(self) -> list[tuple[str, list[float]]]:
+        """Each group's task and rewards, the replaced ones' too (what the task
+        statistics learn from)."""
         return [(g.value[0].task_id, [e.reward for e in g.value]) for g in self.groups
-                if g.value]
+                if g.value] + [(r.task_id, list(r.rewards)) for r in self.replaced]
+
+    @property
+    def untrained(self) -> tuple[str, ...]:
+        """Sessions recorded for this batch and never to be trained: the dropped groups'
+        main sessions and the replaced groups' sessions."""
+        return self.gone_sessions + tuple(s for r in self.replaced for s in r.sessions)
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """A task group that dynamic sampling rolled again: all its samples scored alike."""
+
+    task_id: str
+    rewards: tuple[float, ...]
+    sessions: tuple[str, ...]
 
 
 class RolloutQueue:
@@ -109,7 +142,8 @@ class RolloutQueue:
     def __init__(self, sched: RolloutScheduler, rollouts: LiveRollouts, draws: TaskDraws, *,
                  steps: int, first_step: int, tasks_per_step: int, group_size: int,
                  max_staleness: int, base_version: int, trained: set[str],
-                 carry: Sequence[str], tasks: Sequence[Task], log: RunLog) -> None:
+                 carry: Sequence[str], tasks: Sequence[Task], log: RunLog,
+                 resample: int = 0) -> None:
         self._sched, self._draws = sched, draws
         self._store = rollouts.rollouts.store
         self._live = rollouts.episodes
@@ -121,7 +155,11 @@ class RolloutQueue:
         self._carry = tuple(sorted(carry, key=seed_key))
         self._tasks = {t.task_id: t for t in tasks}
         self._log = log
-        self._group_sids: dict[int, list[str]] = {}  # scheduled group -> its sessions
+        # scheduled group -> its sessions (the last roll's, under dynamic sampling)
+        self._group_sids: dict[int, list[str]] = {}
+        self._resample = resample
+        self._lock = threading.Lock()  # rolls again run in the scheduler's threads
+        self._replaced: list[Replaced] = []
         self._todo = steps * tasks_per_step  # groups still to queue
         self._lost = 0  # groups dropped as stale or failed, replaced so far
 
@@ -146,13 +184,15 @@ class RolloutQueue:
                 continue  # the batch fills as groups finish (streaming)
             waited = time.perf_counter() - t0
             gone = tuple(self._sched.dropped() + [f.session for f in self._sched.failed()])
+            with self._lock:
+                replaced, self._replaced = tuple(self._replaced), []
             yield Batch(
                 step=self._step + 1, groups=tuple(groups),
                 episodes=tuple(sorted((e for grp in groups for e in grp.value),
                                       key=lambda e: seed_key(e.session_id))),
                 carry=self._carry, gone=gone,
                 gone_sessions=tuple(s for i in gone for s in self._group_sids[i]),
-                waited_s=waited, started=t0, cpu_started=cpu0)
+                waited_s=waited, started=t0, cpu_started=cpu0, replaced=replaced)
             self._step += 1
             groups, self._carry = [], ()
             t0, cpu0 = time.perf_counter(), cpu_seconds()
@@ -197,9 +237,41 @@ class RolloutQueue:
                          for k, (_t, sid) in enumerate(jobs))
             works.append(jobs)
         self._store.record_meta(metas)  # before any of them runs
-        ids = self._sched.submit_many(Work(self._roll, (jobs,)) for jobs in works)
-        self._group_sids.update((i, [sid for _, sid in jobs])
-                                for i, jobs in zip(ids, works, strict=True))
+        held = [[sid for _, sid in jobs] for jobs in works]
+        if self._resample:
+            steps = [self._origin + i // self._b + 1 for i in range(done, done + n)]
+            ids = self._sched.submit_many(
+                Work(self._informative, (jobs, step, i, sids))
+                for jobs, step, i, sids in zip(works, steps, range(done, done + n), held,
+                                               strict=True))
+        else:
+            ids = self._sched.submit_many(Work(self._roll, (jobs,)) for jobs in works)
+        self._group_sids.update(zip(ids, held, strict=True))
+
+    def _informative(self, jobs: list[tuple[Task, str]], step: int, group: int,
+                     sids: list[str]) -> RolloutResult:
+        """One scheduled group under dynamic sampling: rolled again on a fresh task of
+        the same family while all its samples score alike, `rollout.dynamic_sampling`
+        times at most (then the last roll stands). `sids` follows the last roll. A kill
+        between a roll again and the step's checkpoint leaves the replaced sessions
+        committed and untrained: the resumed run carries them into its first batch."""
+        res = self._roll(jobs)
+        for attempt in range(1, self._resample + 1):
+            episodes: list[Episode] = res.value
+            task = self._draws.fresh(step, group, attempt, like=jobs[0][0])
+            if len({e.reward for e in episodes}) > 1 or task is None:
+                break
+            self._live.close_group(jobs[0][1])  # finished: nothing of it to resume
+            with self._lock:
+                self._replaced.append(Replaced(
+                    jobs[0][0].task_id, tuple(e.reward for e in episodes),
+                    tuple(s for e in episodes for s in e.session_ids)))
+            jobs = [(task, new_session_id("rl", step, task.task_id, k)) for k in range(self._g)]
+            self._store.record_meta({sid: SessionMeta("rl", step, task.task_id, k)
+                                     for k, (_t, sid) in enumerate(jobs)})
+            sids[:] = [sid for _, sid in jobs]
+            res = self._roll(jobs)
+        return res
 
     def _resume(self, pending: list[LiveGroup]) -> int:
         """Queue the groups a killed attempt left live, first: their episodes continue

@@ -1,7 +1,13 @@
 """The trajectory processor: ledger calls -> session trees -> TrainTrees (docs/trees.md)."""
 
 from tidal.tree.episode import EDGE_KINDS, Edge, EpisodeGraph, SessionData, load_sessions
-from tidal.tree.process import EpisodeReport, ProcessResult, process_sessions, process_store
+from tidal.tree.process import (
+    EpisodeReport,
+    ProcessResult,
+    balance_advantages,
+    process_sessions,
+    process_store,
+)
 from tidal.tree.trie import SessionTrie, TreeError, build_trie
 from tidal.tree.types import Branch, Segment, TrainTree
 from tidal.tree.weights import token_weights
@@ -18,6 +24,7 @@ __all__ = [
     "SessionTrie",
     "TrainTree",
     "TreeError",
+    "balance_advantages",
     "build_trie",
     "load_sessions",
     "process_sessions",

@@ -38,8 +38,8 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -118,6 +118,37 @@ def group_baselines(
             scale = math.sqrt(var) + _STD_EPS
         out[ep] = (mean, scale)
     return out
+
+
+def balance_advantages(
+    trees: Sequence[TrainTree], skill_of_session: Mapping[str, str]
+) -> list[TrainTree]:
+    """Advantages rescaled so that every skill carries the same share of the batch's
+    signal: one skill cannot take over what the skills share (a command prefix, the tool
+    syntax) because it had more groups that disagreed (MT-GRPO reweights tasks in the same
+    spirit; `rl.advantage_balance = "family"`).
+
+    A skill's signal is the sum over its branches of |A_b| * coef_b (what its branches
+    weigh in the loss's numerator); each skill's advantages are multiplied by
+    mean(signal over skills with any) / its own, so the total is kept and skills with
+    none stay at 0. A branch's skill is `skill_of_session[branch.session_id]` (a session
+    not in it is its own skill, alone: its scale is 1 when it is the only one)."""
+    mass: dict[str, float] = defaultdict(float)
+    for t in trees:
+        for b in t.branches:
+            mass[skill_of_session.get(b.session_id, b.session_id)] += abs(b.advantage) * b.coef
+    live = [m for m in mass.values() if m > 0.0]
+    if len(live) < 2:
+        return list(trees)
+    target = math.fsum(live) / len(live)
+    scale = {k: target / m for k, m in mass.items() if m > 0.0}
+
+    def rescaled(b: Branch) -> Branch:
+        f = scale.get(skill_of_session.get(b.session_id, b.session_id), 1.0)
+        return b if f == 1.0 else replace(b, advantage=b.advantage * f)
+
+    return [TrainTree(t.tree_id, t.segments, tuple(rescaled(b) for b in t.branches))
+            for t in trees]
 
 
 # ------------------------------------------------------------------------- candidates
