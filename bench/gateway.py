@@ -67,7 +67,6 @@ import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
-from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -461,12 +460,14 @@ def measure_workers(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare_routers(args: argparse.Namespace) -> dict[str, Any]:
-    """tidal's router against the same router written with maintained libraries
-    (bench/router_alt.py: uvicorn + Starlette + httpx, and aiohttp when it is installed),
+    """tidal's router against bare proxies on maintained libraries (bench/router_alt.py:
+    uvicorn + Starlette + httpx, and aiohttp, the library tidal's router is built on),
     all in front of the same `tidal serve --workers 2` workers (instant engine): single
     sessions sent straight to worker 0 and through each router, round after round in
-    turn (added p50/p99: routed minus direct); then 32 sessions through each router in
-    turn (calls a second, p50/p99 added), twice."""
+    turn (added p50/p99: routed minus direct); then 32 sessions straight to worker 0 and
+    through each router in turn (calls a second, p50/p99 added), twice.
+    `router_cpu_us_per_call`: each router process's CPU time (user + system) over the
+    calls it routed (Linux), which the machine's other load disturbs less than latency."""
     from tidal.gateway.workers import worker_for
 
     ctx = multiprocessing.get_context("spawn")
@@ -479,7 +480,7 @@ def compare_routers(args: argparse.Namespace) -> dict[str, Any]:
             conn.request("GET", "/health")
             ports = [w["port"] for w in json.loads(conn.getresponse().read())["worker_status"]]
             conn.close()
-            for impl in ("starlette", *(("aiohttp",) if find_spec("aiohttp") else ())):
+            for impl in ("starlette", "aiohttp"):
                 port = _free_port()
                 alts[impl] = (port, subprocess.Popen(
                     [sys.executable, str(ROOT / "bench" / "router_alt.py"), "--port", str(port),
@@ -490,6 +491,8 @@ def compare_routers(args: argparse.Namespace) -> dict[str, Any]:
                      **{impl: f"http://127.0.0.1:{port}" for impl, (port, _) in alts.items()}}
             for base in bases.values():
                 clients.submit(client_load, base, "warm-", 4, 3, args.max_tokens).result()
+            pids = {"tidal": srv.proc.pid, **{impl: p.pid for impl, (_, p) in alts.items()}}
+            cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
             one: dict[str, list[Sample]] = {k: [] for k in bases}
             for r in range(args.router_rounds):
                 pre = next(f"q{r}x{j}-" for j in range(1000) if worker_for(f"q{r}x{j}-0", 2) == 0)
@@ -505,19 +508,32 @@ def compare_routers(args: argparse.Namespace) -> dict[str, Any]:
                        "added_ms_p50": round(pct(got, 50) - pct(one["direct"], 50), 3),
                        "added_ms_p99": round(pct(got, 99) - pct(one["direct"], 99), 3)}
                 for name, got in one.items() if name != "direct"}
-            many: dict[str, list[dict[str, float]]] = {k: [] for k in bases if k != "direct"}
+            many: dict[str, list[dict[str, float]]] = {k: [] for k in bases}
             for r in range(2):
                 for name, rows in many.items():
                     rows.append(stats(clients.submit(
                         client_load, bases[name], f"m{r}{name}-", 32, args.calls_concurrent,
                         args.max_tokens).result()))
             out["sessions_32"] = many
+            out["router_cpu_us_per_call"] = {
+                name: round((_cpu_s(pid) - cpu0[name]) * 1e6
+                            / (len(one[name]) + sum(r["calls"] for r in many[name])), 1)
+                for name, pid in pids.items()}
         finally:
             for _port, proc in alts.values():
                 proc.terminate()
                 proc.wait(timeout=30)
             srv.close()
     return out
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used so far (Linux /proc; nan else)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_port(port: int, timeout_s: float = 60.0) -> None:
@@ -624,7 +640,7 @@ def main() -> None:
     ap.add_argument(
         "--router-compare",
         action="store_true",
-        help="only compare tidal's router with bench/router_alt.py (maintained libraries)",
+        help="only compare tidal's router with bench/router_alt.py (bare proxies)",
     )
     args = ap.parse_args()
     if args.router_compare:

@@ -1,5 +1,6 @@
-"""The sticky router of `tidal serve --workers N` written with maintained libraries, to
-measure against tidal's own (`tidal.gateway.workers`, a raw asyncio + httptools proxy).
+"""The sticky router of `tidal serve --workers N` written as bare proxies on maintained
+libraries, to measure against tidal's own (`tidal.gateway.workers`: aiohttp's low-level
+server and `ClientSession`, plus the worker supervision, `/health` and 503s).
 
 Each sends a request to the worker its session id hashes to
 (`tidal.gateway.workers.worker_for`: the `/sessions/{id}/...` path, else the
@@ -7,8 +8,8 @@ Each sends a request to the worker its session id hashes to
 streams the worker's answer back as it arrives (SSE too):
 - `--impl starlette`: uvicorn (httptools, uvloop) serving a Starlette app, forwarding
   with one `httpx.AsyncClient`;
-- `--impl aiohttp`: aiohttp's server and its `ClientSession` (pip install aiohttp; not
-  one of tidal's dependencies).
+- `--impl aiohttp`: aiohttp's `web.Application` and its `ClientSession`, streaming every
+  answer: the least an aiohttp proxy does, the library tidal's router is written with.
 Nothing else: no health aggregation, no restarts. bench/gateway.py's `--router-compare`
 starts it beside a running `tidal serve --workers N` and uses the same workers.
 
