@@ -4,6 +4,7 @@ episode's tool calls are known; everything between it and the ledger is real."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,15 @@ import pytest
 
 from tests.gateway.scripted_engine import ScriptedEngine
 from tidal.agent.harness import AgentConfig, BuiltinHarness
+from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import files_taskset
 from tidal.engine.tiny import ensure_tiny, load_tokenizer
 from tidal.gateway.server import GatewayServer
 from tidal.ledger import LedgerStore
 from tidal.run.components import local_runtime
 from tidal.run.rollout import Rollouts
+from tidal.sandbox import SandboxConfig
+from tidal.tree.process import process_store
 
 SOLVE = (
     '<tool_call>\n{{"name": "write_file", "arguments": {{"path": "{path}", "content": "{d}"}}}}'
@@ -62,3 +66,25 @@ def test_an_episode_is_graded_recorded_and_then_forgotten_by_the_gateway(
     assert outcome is not None and outcome.reward == 1.0
     # the finished session's turns stay in memory only when nothing forgets them
     assert srv.gateway.live_sessions == (0 if forget else 1)
+
+
+def test_a_sandbox_that_fails_before_the_first_call_leaves_nothing_to_train(
+    live: tuple[GatewayServer, ScriptedEngine, LedgerStore],
+) -> None:
+    """The episode is infra_error (recorded, masked) and names no session to train: a
+    batch holding it still builds its trees (a resumed run once died here)."""
+    srv, _engine, store = live
+
+    def broken(_config: SandboxConfig) -> contextlib.AbstractContextManager[ToolRuntime]:
+        raise FileNotFoundError("/run/tidal-sandbox/boxes/gone")
+
+    task = files_taskset().train[0]
+    rollouts = Rollouts(srv.base_url, "scripted", BuiltinHarness(AgentConfig(max_turns=4)),
+                        broken, store)
+    ep = rollouts.one(task, "ep-broken")
+    assert (ep.status, ep.session_ids, ep.n_calls) == ("infra_error", (), 0)
+    outcome = store.outcome("ep-broken")
+    assert outcome is not None and outcome.status.value == "infra_error"
+    assert "boxes/gone" in str(outcome.details)
+    assert not store.has_session("ep-broken")
+    assert list(process_store(store, ep.session_ids, strict=False).trees) == []

@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from tidal.cli import app
@@ -61,3 +63,22 @@ def test_dead_owner_leaves_nothing_running_and_gc_cleans_up(state_dir: Path) -> 
     assert not Path(info["dir"]).exists()
     assert info["dir"] not in Path("/proc/self/mounts").read_text()
     assert not any(Path("/sys/fs/cgroup").glob(f"*/tidal/{info['id']}"))
+
+
+def test_gc_skips_a_box_that_vanishes_while_it_looks(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's box can be closed (its dir removed) between gc listing it and
+    reading it: gc skips it instead of failing the sandbox that called it (a resumed
+    run's episode once became infra_error so)."""
+    boxes = tmp_path / "boxes"
+    boxes.mkdir()
+    gone = boxes / "d8653192478c"  # listed, then removed by its owner
+    listing = Path.iterdir
+
+    def iterdir(self: Path) -> Iterator[Path]:
+        yield from listing(self)
+        if self == boxes:
+            yield gone
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    assert collect_garbage(tmp_path) == 0

@@ -228,7 +228,9 @@ class Rollouts:
             self.store.append_outcome(Outcome(session_id, Status.INFRA_ERROR, 0.0, 0.0,
                                               {"error": f"{type(e).__name__}: {e}"}))
             self._forget([session_id])
-            ep = Episode(task.task_id, session_id, (session_id,), "infra_error", 0.0, 0.0, 0,
+            # a session that failed before its first call has nothing to train
+            made = (session_id,) if self.store.has_session(session_id) else ()
+            ep = Episode(task.task_id, session_id, made, "infra_error", 0.0, 0.0, 0,
                          time.perf_counter() - t0)
             hooks.done(ep)
             return ep

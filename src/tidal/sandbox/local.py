@@ -128,7 +128,8 @@ def environment_report() -> dict[str, str]:
 
 
 def collect_garbage(root: Path) -> int:
-    """Remove boxes whose owning process is gone (mounts, cgroups, directories)."""
+    """Remove boxes whose owning process is gone (mounts, cgroups, directories). Other
+    processes' boxes come and go while it looks: one that vanishes is skipped."""
     boxes = root / "boxes"
     removed = 0
     if not boxes.is_dir():
@@ -137,8 +138,11 @@ def collect_garbage(root: Path) -> int:
         try:
             owner = json.loads((d / "owner.json").read_text())
         except (OSError, ValueError):
-            if time.time() - d.stat().st_mtime < 60:
-                continue  # being created right now
+            try:
+                if time.time() - d.stat().st_mtime < 60:
+                    continue  # being created right now
+            except FileNotFoundError:
+                continue  # its owner closed it while we looked (another process's box)
             owner = {}
         pid, start = owner.get("pid"), owner.get("starttime")
         if pid and _linux.proc_starttime(pid) == start:
