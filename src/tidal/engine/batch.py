@@ -94,6 +94,7 @@ class DecodeBatch:
         self._top_p = torch.zeros((0,), device=self._device)
         self._rows: list[_Row] = []
         self._finished: list[tuple[Any, SequenceResult]] = []
+        self._fast_checked = False  # the fast decoder's thorough check: once per busy period
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -199,11 +200,21 @@ class DecodeBatch:
         return out.logits[:, -1, :]
 
     def _decode(self) -> Any:
-        """One forward of every row's last token; logits [B, V]."""
+        """One forward of every row's last token; logits [B, V]. Through the fast decode
+        step (`fused.py`: fused, pre-packed weights, one loop over the layers) when the
+        model has one and the cache is all growing layers; else transformers' forward."""
         import torch
 
+        from tidal.engine.fused import fast_decoder
+
         self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=-1)
+        fast = None
+        if self.can_merge:  # all growing layers
+            fast = fast_decoder(self._model, thorough=not self._fast_checked)
+            self._fast_checked = True
         with torch.inference_mode():
+            if fast is not None:
+                return fast.decode(self._last, self._next_pos, self._mask, self._cache.layers)
             out = self._model(
                 input_ids=self._last[:, None],
                 attention_mask=self._mask,

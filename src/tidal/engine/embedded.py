@@ -24,7 +24,8 @@ logprob is then exactly what the trainer's `attention="consistent"` recomputes.
 Weight updates (`update_weights`, given `Weights` from the trainer or a checkpoint
 directory) stop admission, let the running sequences finish, then copy the new tensors
 into the model in place: a sequence never mixes two policy versions. Tensors in process
-never go through a file.
+never go through a file. The standard batch's fast decode step (`fused.py`) keeps fused,
+packed copies of the linear weights; they are rebuilt in the same update.
 
 Prefix caching (`prefix_cache_mb`, on by default): the engine owns the `PrefixCache`
 (`prefix.py`) its batch keeps finished sequences' KV in, so an agent's call k+1 computes
@@ -57,6 +58,8 @@ from tidal.engine.base import (
 )
 from tidal.engine.batch import DecodeBatch, SequenceRequest, SequenceResult
 from tidal.engine.consistent_batch import ConsistentDecodeBatch
+from tidal.engine.fused import fast_decoder
+from tidal.engine.fused import refresh as refresh_fused
 from tidal.engine.model import load_policy_model
 from tidal.engine.prefix import PrefixCache, PrefixStats
 from tidal.engine.tiny import resolve_model
@@ -141,6 +144,8 @@ class EmbeddedEngine:
                 ConsistentModel(self._model)
             except ConsistencyError as e:
                 raise EngineError(str(e)) from e
+        else:
+            fast_decoder(self._model)  # its fused weights made now, not on the first step
         config = self._model.config
         self._vocab_size = int(config.vocab_size)
         self._max_context = int(config.max_position_embeddings)
@@ -335,6 +340,7 @@ class EmbeddedEngine:
                 with self._model_lock, torch.no_grad():
                     for key, value in state_dict.items():
                         params[key].copy_(value.to(device=self._device, dtype=params[key].dtype))
+                    refresh_fused(self._model)  # the fast decode step's copies of them
                     self._version = int(version)
                     if self._prefix is not None:
                         self._prefix.clear()  # its KV was computed with the old weights

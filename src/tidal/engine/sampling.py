@@ -43,7 +43,8 @@ def processed_logprobs(
     x = logits.float()
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = x / temp[:, None]
+    if not bool((temp == 1).all()):  # x / 1 is x, bit for bit: skip a pass over [B, V]
+        x = x / temp[:, None]
     vocab = x.shape[-1]
     k = torch.where((top_k > 0) & ~greedy, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     p = torch.where(greedy, torch.ones_like(top_p), top_p).float()
@@ -78,4 +79,6 @@ def sample_tokens(
         u[i].uniform_(generator=gen)
     target = (1.0 - u) * cdf[:, -1:]  # in (0, total]: never lands on a zero-mass token
     sampled = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    if not bool(greedy.any()):  # the argmax would be thrown away: skip a pass over [B, V]
+        return sampled
     return torch.where(greedy, logprobs.argmax(dim=-1), sampled)

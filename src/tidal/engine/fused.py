@@ -1,0 +1,315 @@
+"""The standard batch's fast decode step: one token per row through fused, pre-packed weights.
+
+A decode step through transformers' forward at batch 16 spends about as long around its
+matmuls as in them: per layer, separate q/k/v and gate/up projections (seven skinny
+matmuls), the attention mask and position bookkeeping rebuilt every forward, and, as soon
+as one row of the batch is padded, `repeat_kv` copying the whole KV cache once per query
+head group before SDPA (transformers only passes `enable_gqa` when there is no mask).
+`FastDecoder.decode` runs the same step as one loop over the layers: q/k/v and gate/up
+are one matmul each (weights concatenated along the output dimension, so each output is
+the same dot product as before), every linear layer's weight is packed once for oneDNN's
+matmul (`torch.ops.mkldnn._linear_pointwise`: at 16 rows the step's linear layers take
+~55 ms instead of ~100 with `F.linear`'s MKL sgemm on a 2-core AVX2 machine, the LM head
+2.5x faster), the norms are `F.rms_norm` (one kernel, not six), rotary is applied to q and
+k in one go, the mask is built once per step, and SDPA reads the grouped KV heads as they
+are (`enable_gqa=True`, with or without a mask). The KV cache is the batch's own
+(`GrowingLayer`s of a `DynamicCache`), written through `update`, so prefill (still
+transformers' forward), merging, trimming and the prefix cache are untouched.
+
+Numerics: the standard engine's float noise, not bit-identity. Without the packing
+(`packed=False`: `F.linear` on the concatenated weights) the sampled logprobs were the
+transformers forward's bit for bit, for the tiny model and SmolLM2-135M (each output is
+the same dot product, in the same kernel); oneDNN's kernel sums in another order than
+MKL's, which moved SmolLM2's logprobs by up to 3e-5 (30 layers) and the tiny model's by
+3e-6, the same tokens. The consistent batch (`consistent_batch.py`) never comes here.
+
+Weights: the fused and packed copies are derived from the model's parameters, so they go
+stale when the parameters change. `fast_decoder(model)` (the only way the batch gets one)
+compares a stamp of the parameters it copied (storage pointer and version counter: an
+in-place `copy_`, as `EmbeddedEngine.update_weights` does, bumps the version) on every
+decode step (~50 us) and, once per busy period of the batch, also whether the modules
+still hold those parameter objects; it rebuilds the copies (~0.4 s for SmolLM2) when
+anything changed. `EmbeddedEngine.update_weights` (LoRA arrives there merged) rebuilds
+them at once too, so the first step after an update does not pay for it. A change that
+bypasses the version counter (`param.data.copy_(...)`) is not seen: call `refresh(model)`
+after one.
+
+What is supported: transformers' Llama-family decoders (`model_type` llama, qwen2 or
+mistral: RMSNorm, rotary, grouped-query attention with optional q/k/v biases, a SiLU-gated
+MLP) on CPU, with full-attention KV layers only (a sliding-window cache is not a
+`GrowingLayer`, so the batch keeps transformers' forward for it). Anything else (another
+architecture, CUDA) gets `None` and the batch runs transformers' forward as before. Memory:
+the packed copies double the memory of the linear weights (+0.5 GB for SmolLM2-135M in
+fp32); without oneDNN (or for other dtypes) only q/k/v and gate/up are copied,
+concatenated, and used with `F.linear`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.functional import linear, rms_norm, scaled_dot_product_attention, silu
+
+SUPPORTED = frozenset({"llama", "qwen2", "mistral"})
+# their norms: weight * (x * rsqrt(mean(x^2) + variance_epsilon)), computed in fp32
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
+
+# The row count oneDNN packs the weights for (it works for any count): the engine's default
+# max_batch_size. At 16 and at 4 rows, packing for 8 to 256 rows ran within ~5% of each
+# other on the machine measured; packing for 1 row was 30% slower at 16 rows.
+PACK_ROWS = 16
+
+
+class Linear:
+    """y = x W^T + b for a 2-D x, through a weight packed for oneDNN (`packed=True`) or
+    through `F.linear` on the plain weight. Built from one or more `nn.Linear`s whose
+    weights are concatenated along the output dimension."""
+
+    def __init__(self, modules: Sequence[torch.nn.Linear], *, packed: bool) -> None:
+        weights = [m.weight.detach() for m in modules]
+        biases = [m.bias.detach() if m.bias is not None else None for m in modules]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.in_features = int(weight.shape[1])
+        self.out_features = int(weight.shape[0])
+        self.bias: torch.Tensor | None = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                                   for w, b in zip(weights, biases, strict=True)])
+        self.packed = packed
+        # The plain weight is kept only on the F.linear path (a single module's is its own
+        # parameter, not a copy); the packed one is a copy in oneDNN's blocked layout.
+        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+                       if packed else weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return linear(x, self.weight, self.bias)
+
+    @property
+    def flops_per_row(self) -> int:
+        return 2 * self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class _Layer:
+    norm1: torch.nn.Module
+    norm2: torch.nn.Module
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    scaling: float
+
+
+def unsupported(model: Any) -> str | None:
+    """Why `model` has no fast decode step (None: it has one)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model_type {kind!r} is not one of {sorted(SUPPORTED)}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
+    types = getattr(config, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        return "the model has sliding-window layers"
+    if kind == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return "the model has a sliding window"
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        return "the model has no parameters"
+    if device.type != "cpu":
+        return f"the fast decode step is for CPU, the model is on {device}"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm",
+                                                            "rotary_emb")):
+        return "not a transformers decoder (model.model.{embed_tokens,layers,norm,rotary_emb})"
+    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        return "the output embedding is not a linear layer"
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or hasattr(attn, "q_norm"):
+            return "a layer is not self_attn + mlp without q/k norms"
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                  mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if type(m) is not torch.nn.Linear:
+                return f"{type(m).__name__} is not a plain nn.Linear"
+        for m in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(m).__name__ not in RMS_NORMS:
+                return f"{type(m).__name__} is not one of {sorted(RMS_NORMS)}"
+    if type(inner.norm).__name__ not in RMS_NORMS:
+        return f"{type(inner.norm).__name__} is not one of {sorted(RMS_NORMS)}"
+    return None
+
+
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs here for `dtype`, and agrees with F.linear."""
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(40, 24, generator=gen)
+        b = torch.randn(40, generator=gen)
+        x = torch.randn(3, 24, generator=gen)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.allclose(y, linear(x, w, b), rtol=1e-5, atol=1e-5))
+
+
+class FastDecoder:
+    """The decode step of a supported model (`unsupported(model) is None`) over the
+    batch's `GrowingLayer` KV cache, with fused (and, in fp32 with oneDNN, packed)
+    weights. Get one through `fast_decoder(model)`, which keeps it fresh."""
+
+    def __init__(self, model: Any, *, packed: bool | None = None) -> None:
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"no fast decode step: {why}")
+        self.model = model
+        inner = model.model
+        config = model.config
+        attn0 = inner.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv = int(config.num_key_value_heads)
+        self.intermediate = int(inner.layers[0].mlp.gate_proj.out_features)
+        dtype = next(model.parameters()).dtype
+        self.packed = _onednn_ok(dtype) if packed is None else packed
+        self.fused_norm = dtype == torch.float32
+        self._params: list[torch.Tensor] = []
+        self._stamp: list[tuple[int, int]] = []
+        self.layers: list[_Layer] = []
+        self.lm_head: Linear | None = None
+        self.rebuild()
+
+    def _sources(self) -> list[torch.Tensor]:
+        """The parameters the fused copies are made of, in a fixed order."""
+        out: list[torch.Tensor] = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                      mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                out.extend(p for p in m._parameters.values() if p is not None)
+        out.extend(p for p in self.model.get_output_embeddings()._parameters.values()
+                   if p is not None)
+        return out
+
+    @staticmethod
+    def _stamp_of(params: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+        return [(p.data_ptr(), p._version) for p in params]
+
+    @property
+    def stale(self) -> bool:
+        """Whether a source parameter changed since the copies were made: written in place
+        (its version counter moved), given other storage (`.data = ...`, `.to(...)`), or
+        replaced by another parameter object in its module."""
+        return (self._stamp_of(self._params) != self._stamp
+                or any(a is not b for a, b in zip(self._sources(), self._params, strict=True)))
+
+    @property
+    def written(self) -> bool:
+        """`stale`'s cheap half, for every step: a source parameter written in place or
+        given other storage (not: replaced by another object in its module)."""
+        return self._stamp_of(self._params) != self._stamp
+
+    def rebuild(self) -> None:
+        """(Re)make the fused and packed copies from the model's present parameters."""
+        packed = self.packed
+        layers = []
+        with torch.no_grad():
+            for layer in self.model.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                layers.append(_Layer(
+                    norm1=layer.input_layernorm,
+                    norm2=layer.post_attention_layernorm,
+                    qkv=Linear([attn.q_proj, attn.k_proj, attn.v_proj], packed=packed),
+                    o=Linear([attn.o_proj], packed=packed),
+                    gate_up=Linear([mlp.gate_proj, mlp.up_proj], packed=packed),
+                    down=Linear([mlp.down_proj], packed=packed),
+                    scaling=float(attn.scaling),
+                ))
+            # Drop the old copies before making the new head (the biggest single copy).
+            self.layers, self.lm_head = layers, None
+            self.lm_head = Linear([self.model.get_output_embeddings()], packed=packed)
+        self._params = self._sources()
+        self._stamp = self._stamp_of(self._params)
+
+    def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm module on x: `F.rms_norm` in fp32 (one kernel instead of
+        six ops; the same bits on the machine measured), the module itself otherwise."""
+        if self.fused_norm:
+            return rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+        return module(x)
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer a decode step runs, in order (for benchmarks)."""
+        assert self.lm_head is not None
+        return [lin for layer in self.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+               kv_layers: Sequence[Any]) -> torch.Tensor:
+        """Logits [B, V] of one decode step: row b's token `ids[b]` at position
+        `positions[b]`, attending to the cache columns where `mask[b]` ([B, T], this step's
+        column included) is nonzero. `kv_layers` are the cache's `GrowingLayer`s, whose
+        `update` appends this step's keys and values (T - 1 columns before it)."""
+        assert self.lm_head is not None
+        B, D = ids.shape[0], self.head_dim
+        H, KV, inter = self.n_heads, self.n_kv, self.intermediate
+        inner = self.model.model
+        h = inner.embed_tokens(ids)  # [B, hidden]
+        cos, sin = inner.rotary_emb(h, positions[:, None])  # [B, 1, D]
+        half = D // 2
+        allowed = None if bool(mask.all()) else mask.bool()[:, None, None, :]
+        gqa = H != KV
+        norm = self._norm
+        for layer, kv in zip(self.layers, kv_layers, strict=True):
+            qkv = layer.qkv(norm(layer.norm1, h))
+            qk = qkv[:, : (H + KV) * D].view(B, H + KV, D)
+            # transformers' apply_rotary_pos_emb, on q and k at once
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = (qk * cos) + (rotated * sin)
+            v = qkv[:, (H + KV) * D :].view(B, KV, 1, D)
+            keys, values = kv.update(qk[:, H:, None, :], v)
+            a = scaled_dot_product_attention(qk[:, :H, None, :], keys, values,
+                                               attn_mask=allowed, scale=layer.scaling,
+                                               enable_gqa=gqa)
+            h = h + layer.o(a.reshape(B, H * D))
+            gu = layer.gate_up(norm(layer.norm2, h))
+            h = h + layer.down(silu(gu[:, :inter]) * gu[:, inter:])
+        return self.lm_head(norm(inner.norm, h))
+
+
+_DECODERS: weakref.WeakKeyDictionary[Any, FastDecoder | None] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def fast_decoder(model: Any, *, thorough: bool = True) -> FastDecoder | None:
+    """`model`'s fast decode step, made on first use and rebuilt when its parameters
+    changed since (`FastDecoder.stale`; with `thorough=False` only `written`, the check a
+    batch makes on each step, ~20 us, its thorough one once per busy period); None when
+    the model is not supported (`unsupported`)."""
+    with _LOCK:
+        if model not in _DECODERS:
+            _DECODERS[model] = FastDecoder(model) if unsupported(model) is None else None
+        decoder = _DECODERS[model]
+        if decoder is not None and (decoder.stale if thorough else decoder.written):
+            decoder.rebuild()
+        return decoder
+
+
+def refresh(model: Any) -> None:
+    """Rebuild `model`'s fused copies now if it has a fast decoder (after a weight update,
+    or a change its parameters' version counters did not record)."""
+    with _LOCK:
+        decoder = _DECODERS.get(model)
+        if decoder is not None:
+            decoder.rebuild()
