@@ -15,7 +15,11 @@ Each seed takes the run's own time (~10-13 minutes on a 2-core machine for the d
 config, ~30 for configs/laptop-real.toml). `--reuse` reads a seed's finished run
 directory (its summary.json) instead of running it again. Per seed it also reports the
 held-out success per task family at the start and the end (`families_*`: shell-skills'
-skills), the training success per RL step and where the minutes went (`phase_minutes`).
+skills) at every evaluation, tool calls per episode beside success (held-out and per RL
+step: a rise cannot come from skipping the tools), the training success, groups replaced
+by dynamic sampling and rollout tokens a second per RL step, where the minutes went
+(`phase_minutes`), and this machine's large-matmul rate (`large_matmul_gflops`, before
+and after the runs), since absolute minutes differ ~2x between machines of one kind.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def run_seed(config: Path | None, seed: int, out: Path, reuse: bool = False) -> 
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r.get("phase") == "eval"]
+    rl = [r for r in rows if r.get("phase") == "rl" and "success_rate" in r]
     start, end = summary["success_rate_start"], summary["success_rate_end"]
     return {
         "seed": seed,
@@ -61,8 +66,13 @@ def run_seed(config: Path | None, seed: int, out: Path, reuse: bool = False) -> 
         "checks_end": evals[-1].get("checks"),
         "families_start": evals[0].get("families"),
         "families_end": evals[-1].get("families"),
-        "train_success_curve": [round(r["success_rate"], 3) for r in rows
-                                if r.get("phase") == "rl" and "success_rate" in r],
+        "families_curve": {str(r["step"]): r.get("families") for r in evals},
+        "tool_calls_per_episode_curve": {str(r["step"]): r.get("tool_calls_per_episode")
+                                         for r in evals},
+        "train_success_curve": [round(r["success_rate"], 3) for r in rl],
+        "train_tool_calls_per_episode": [r.get("tool_calls_per_episode") for r in rl],
+        "groups_replaced": [r.get("groups_replaced", 0) for r in rl],
+        "rollout_tokens_per_s": [round(r.get("rollout_tokens_per_s", 0.0), 1) for r in rl],
         "phase_minutes": _phase_minutes(rows),
         "minutes": summary["minutes"],
         "wall_minutes": round((time.perf_counter() - t0) / 60, 2),
@@ -85,6 +95,21 @@ def _phase_minutes(rows: list[dict[str, Any]]) -> dict[str, float]:
             (("warmstart", warm), ("eval", evals), ("rl_rollout", rollout), ("rl_train", train))}
 
 
+def matmul_gflops(n: int = 2048, repeat: int = 5) -> float:
+    """This machine's large-matmul rate (an n x n x n fp32 matmul, best of `repeat`), to
+    state beside the minutes: absolute speeds differ ~2x between machines of one kind."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return round(2 * n**3 / best / 1e9, 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -93,7 +118,9 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="read a seed's finished run directory instead of running it again")
     args = ap.parse_args()
+    rate_before = matmul_gflops()
     runs = [run_seed(args.config, s, args.out / f"seed-{s}", args.reuse) for s in args.seeds]
+    rate_after = matmul_gflops()
     gains = [r["gain_points"] for r in runs]
     print(
         json.dumps(
@@ -105,6 +132,8 @@ def main() -> None:
                 "gain_points_max": max(gains),
                 "minutes_max": max(r["minutes"] for r in runs),
                 "all_verify_ok": all(r["verify_ok"] and r["drift_tokens"] == 0 for r in runs),
+                # measured by this invocation, before and after its runs (--reuse: now)
+                "large_matmul_gflops": [rate_before, rate_after],
             },
             indent=1,
         )

@@ -23,7 +23,7 @@ from tidal.run.checkpoint import find_checkpoint, load_state
 from tidal.run.config import parse_config
 from tidal.run.loop import RunError, rl_task_pool, run, warm_start_batches
 from tidal.run.report import render_report
-from tidal.tree import process_store
+from tidal.tree import TRAIN_REWARDS, process_store
 
 
 @pytest.mark.slow
@@ -163,12 +163,14 @@ def test_dynamic_sampling_rolls_groups_that_scored_alike_again(tmp_path: Path) -
     """`rollout.dynamic_sampling`: a group whose samples all scored alike is rolled again
     on a fresh task of its family; the batch stays whole, the replaced sessions are
     recorded (with outcomes) and never trained. The model is not warm-started, so at a low
-    temperature its groups mostly fail alike. (The families' advantages are balanced on
-    the way: `rl.advantage_balance`, tested in tests/tree/test_rewards.py.)"""
+    temperature its groups mostly fail alike. Alike under what trains: with `rl.reward =
+    "success"` two partial scores of a group that solved nothing are alike. (The
+    families' advantages are balanced on the way: `rl.advantage_balance`; both reward
+    transforms are tested in tests/tree/test_rewards.py.)"""
     out = tmp_path / "run"
     cfg = small_config(tasks={"name": "digits", "train_size": 12, "heldout_size": 1},
                        warmstart={"steps": 0},
-                       rl={"steps": 1, "advantage_balance": "family"},
+                       rl={"steps": 1, "advantage_balance": "family", "reward": "success"},
                        rollout={"dynamic_sampling": 2, "tasks_per_step": 2, "max_turns": 2,
                                 "tools": ["write_file", "finish"]})
     run(parse_config(cfg), out)
@@ -190,4 +192,5 @@ def test_dynamic_sampling_rolls_groups_that_scored_alike_again(tmp_path: Path) -
     groups: dict[str, list[float]] = {}
     for sid in replaced:  # each replaced group scored alike, and was graded
         groups.setdefault(meta[sid].task_id, []).append(outcomes[sid].reward)
-    assert all(len(set(rewards)) == 1 for rewards in groups.values()), groups
+    success = TRAIN_REWARDS["success"]
+    assert all(len({success(r) for r in rewards}) == 1 for rewards in groups.values()), groups

@@ -9,12 +9,16 @@ import pytest
 from tests.tree.synth import SynthWriter, write_fanout, write_linear
 from tidal.ledger.store import LedgerStore
 from tidal.ledger.types import Status
+from tidal.tree.episode import load_sessions
 from tidal.tree.process import (
     BATCH_GROUP,
+    TRAIN_REWARDS,
     ProcessResult,
     balance_advantages,
+    process_sessions,
     process_store,
     select_paths,
+    success_rewards,
 )
 from tidal.tree.weights import group_weight_sums
 
@@ -173,3 +177,21 @@ def test_skills_balanced_carry_equal_signal(store: LedgerStore, writer: SynthWri
     assert adv["a"] == pytest.approx(0.5 * 1.25 / 2.0) and adv["e"] == pytest.approx(0.25 * 2.5)
     # one skill only (or none with signal): nothing changes
     assert balance_advantages(trees, dict.fromkeys(skill, "x")) == list(trees)
+
+
+def test_success_rewards_train_only_solved_tasks(store: LedgerStore, writer: SynthWriter) -> None:
+    """rl.reward = "success": partial credit (0.25 for any answer, say) no longer ranks a
+    wrong command above a failed one; the ledger's rewards are untouched."""
+    for sid, status, r in (("right", Status.COMPLETE, 1.0), ("any-answer", Status.COMPLETE, 0.25),
+                           ("broken", Status.COMPLETE, 0.0), ("cut", Status.TRUNCATED, 0.5)):
+        write_linear(writer, sid, task_id="t1")
+        writer.outcome(sid, status, r, partial_score=r)
+    sessions = load_sessions(store)
+    by_score = _adv(process_sessions(sessions))
+    assert by_score["any-answer"] > by_score["broken"]  # what drew other skills to `grep -c`
+    solved = _adv(process_sessions(success_rewards(sessions)))
+    assert solved == pytest.approx({"right": 0.75, "any-answer": -0.25, "broken": -0.25,
+                                    "cut": -0.25})
+    assert [s.outcome.reward for s in load_sessions(store) if s.outcome] == [1.0, 0.25, 0.0, 0.5]
+    assert (TRAIN_REWARDS["success"](0.999), TRAIN_REWARDS["success"](1.0),
+            TRAIN_REWARDS["score"](0.25)) == (0.0, 1.0, 0.25)

@@ -280,6 +280,12 @@ class RLConfig(_Section):
         "step's whole batch (batch_mean: a group that all fails or all succeeds still "
         "carries signal), or none (docs/trees.md)",
     )
+    reward: Literal["score", "success"] = Field(
+        "score", description="what RL trains on: score, the grader's reward as given "
+        "(partial credit included); success, 1 where the grader gave full marks (reward "
+        ">= 1, what held-out success counts) and 0 elsewhere. The ledger keeps the graded "
+        "reward either way; dynamic sampling compares the trained one",
+    )
     advantage_balance: Literal["none", "family"] = Field(
         "none", description="family: each task family's advantages rescaled so every "
         "skill carries the same share of the batch's signal (sum of |advantage| x coef), "

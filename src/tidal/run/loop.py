@@ -68,7 +68,15 @@ from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
 from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
 from tidal.train.warmstart import render_all
-from tidal.tree import TrainTree, balance_advantages, process_store
+from tidal.tree import (
+    TRAIN_REWARDS,
+    TrainTree,
+    balance_advantages,
+    load_sessions,
+    process_sessions,
+    process_store,
+    success_rewards,
+)
 from tidal.tree.html import render_episode_html
 
 
@@ -449,12 +457,17 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
 
 def batch_trees(parts: Parts, batch: Batch) -> list[TrainTree]:
     """The batch's sessions as trees to train (docs/trees.md), read from the ledger; with
-    `rl.advantage_balance = "family"` each task family's advantages are rescaled to an
-    equal share of the batch's signal (`balance_advantages`)."""
+    `rl.reward = "success"` the rewards trained are 1 for a solved task and 0 otherwise
+    (`success_rewards`); with `rl.advantage_balance = "family"` each task family's
+    advantages are rescaled to an equal share of the batch's signal
+    (`balance_advantages`)."""
     rl = parts.cfg.rl
-    trees = list(process_store(parts.store, batch.sessions, max_paths=rl.max_paths,
-                               incomplete=rl.timeout_reward, advantage=rl.advantage,
-                               normalisation=rl.normalization, strict=False).trees)
+    sessions = load_sessions(parts.store, batch.sessions)
+    if rl.reward == "success":
+        sessions = success_rewards(sessions)
+    trees = list(process_sessions(sessions, max_paths=rl.max_paths,
+                                  incomplete=rl.timeout_reward, advantage=rl.advantage,
+                                  normalisation=rl.normalization, strict=False).trees)
     if rl.advantage_balance == "family":
         family = {t.task_id: t.family or "(none)" for t in parts.train_tasks}
         trees = balance_advantages(trees, {
@@ -481,7 +494,8 @@ def rollout_queue(parts: Parts, state: RunState) -> tuple[RolloutQueue, list[Liv
         tasks_per_step=cfg.rollout.tasks_per_step, group_size=cfg.rollout.group_size,
         max_staleness=cfg.rl.max_staleness, base_version=state.policy_version,
         trained=set(state.trained_sessions) | set(state.dropped_sessions), carry=carry,
-        tasks=parts.train_tasks, log=parts.log, resample=cfg.rollout.dynamic_sampling)
+        tasks=parts.train_tasks, log=parts.log, resample=cfg.rollout.dynamic_sampling,
+        train_reward=TRAIN_REWARDS[cfg.rl.reward])
     return queue, resumed
 
 

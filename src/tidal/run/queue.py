@@ -18,7 +18,7 @@ import resource
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -143,7 +143,8 @@ class RolloutQueue:
                  steps: int, first_step: int, tasks_per_step: int, group_size: int,
                  max_staleness: int, base_version: int, trained: set[str],
                  carry: Sequence[str], tasks: Sequence[Task], log: RunLog,
-                 resample: int = 0) -> None:
+                 resample: int = 0,
+                 train_reward: Callable[[float], float] = float) -> None:
         self._sched, self._draws = sched, draws
         self._store = rollouts.rollouts.store
         self._live = rollouts.episodes
@@ -158,6 +159,7 @@ class RolloutQueue:
         # scheduled group -> its sessions (the last roll's, under dynamic sampling)
         self._group_sids: dict[int, list[str]] = {}
         self._resample = resample
+        self._train_reward = train_reward  # what RL trains on (rl.reward): alike under it
         self._lock = threading.Lock()  # rolls again run in the scheduler's threads
         self._replaced: list[Replaced] = []
         self._todo = steps * tasks_per_step  # groups still to queue
@@ -259,7 +261,7 @@ class RolloutQueue:
         for attempt in range(1, self._resample + 1):
             episodes: list[Episode] = res.value
             task = self._draws.fresh(step, group, attempt, like=jobs[0][0])
-            if len({e.reward for e in episodes}) > 1 or task is None:
+            if len({self._train_reward(e.reward) for e in episodes}) > 1 or task is None:
                 break
             self._live.close_group(jobs[0][1])  # finished: nothing of it to resume
             with self._lock:

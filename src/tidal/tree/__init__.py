@@ -2,11 +2,13 @@
 
 from tidal.tree.episode import EDGE_KINDS, Edge, EpisodeGraph, SessionData, load_sessions
 from tidal.tree.process import (
+    TRAIN_REWARDS,
     EpisodeReport,
     ProcessResult,
     balance_advantages,
     process_sessions,
     process_store,
+    success_rewards,
 )
 from tidal.tree.trie import SessionTrie, TreeError, build_trie
 from tidal.tree.types import Branch, Segment, TrainTree
@@ -14,6 +16,7 @@ from tidal.tree.weights import token_weights
 
 __all__ = [
     "EDGE_KINDS",
+    "TRAIN_REWARDS",
     "Branch",
     "Edge",
     "EpisodeGraph",
@@ -29,5 +32,6 @@ __all__ = [
     "load_sessions",
     "process_sessions",
     "process_store",
+    "success_rewards",
     "token_weights",
 ]

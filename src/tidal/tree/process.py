@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -88,6 +88,25 @@ def resolve_reward(outcome: Outcome | None, incomplete: str) -> tuple[str, float
             return st.value, None
         return st.value, (outcome.partial_score if incomplete == "partial" else 0.0)
     return st.value, outcome.reward
+
+
+def success(reward: float) -> float:
+    """1.0 where the grader gave full marks (reward >= 1: a solved task), else 0.0."""
+    return 1.0 if reward >= 1.0 else 0.0
+
+
+TRAIN_REWARDS: dict[str, Callable[[float], float]] = {"score": float, "success": success}
+
+
+def success_rewards(sessions: Sequence[SessionData]) -> list[SessionData]:
+    """The sessions with each outcome's reward and partial score made `success(reward)`
+    (`rl.reward = "success"`): partial credit dropped from what trains. Partial credit
+    can reward the wrong command: a grader that gives 0.25 for a non-empty answer file
+    makes any command that always prints something (`grep -c`) better, in its group,
+    than a right command written wrong, and RL moves the skill there."""
+    return [s if s.outcome is None else replace(s, outcome=replace(
+        s.outcome, reward=success(s.outcome.reward), partial_score=success(s.outcome.reward)))
+            for s in sessions]
 
 
 def group_baselines(
