@@ -18,7 +18,7 @@ from tidal.tree.process import (
     process_sessions,
     process_store,
     select_paths,
-    success_rewards,
+    with_rewards,
 )
 from tidal.tree.weights import group_weight_sums
 
@@ -187,9 +187,10 @@ def test_success_rewards_train_only_solved_tasks(store: LedgerStore, writer: Syn
         write_linear(writer, sid, task_id="t1")
         writer.outcome(sid, status, r, partial_score=r)
     sessions = load_sessions(store)
-    by_score = _adv(process_sessions(sessions))
+    by_score = _adv(process_sessions(with_rewards(sessions, TRAIN_REWARDS["score"])))
+    assert by_score == _adv(process_sessions(sessions))  # score keeps the graded rewards
     assert by_score["any-answer"] > by_score["broken"]  # what drew other skills to `grep -c`
-    solved = _adv(process_sessions(success_rewards(sessions)))
+    solved = _adv(process_sessions(with_rewards(sessions, TRAIN_REWARDS["success"])))
     assert solved == pytest.approx({"right": 0.75, "any-answer": -0.25, "broken": -0.25,
                                     "cut": -0.25})
     assert [s.outcome.reward for s in load_sessions(store) if s.outcome] == [1.0, 0.25, 0.0, 0.5]

@@ -75,7 +75,7 @@ from tidal.tree import (
     load_sessions,
     process_sessions,
     process_store,
-    success_rewards,
+    with_rewards,
 )
 from tidal.tree.html import render_episode_html
 
@@ -458,13 +458,12 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
 def batch_trees(parts: Parts, batch: Batch) -> list[TrainTree]:
     """The batch's sessions as trees to train (docs/trees.md), read from the ledger; with
     `rl.reward = "success"` the rewards trained are 1 for a solved task and 0 otherwise
-    (`success_rewards`); with `rl.advantage_balance = "family"` each task family's
+    (`with_rewards`); with `rl.advantage_balance = "family"` each task family's
     advantages are rescaled to an equal share of the batch's signal
     (`balance_advantages`)."""
     rl = parts.cfg.rl
-    sessions = load_sessions(parts.store, batch.sessions)
-    if rl.reward == "success":
-        sessions = success_rewards(sessions)
+    sessions = with_rewards(load_sessions(parts.store, batch.sessions),
+                            TRAIN_REWARDS[rl.reward])
     trees = list(process_sessions(sessions, max_paths=rl.max_paths,
                                   incomplete=rl.timeout_reward, advantage=rl.advantage,
                                   normalisation=rl.normalization, strict=False).trees)

@@ -8,7 +8,7 @@ from tidal.tree.process import (
     balance_advantages,
     process_sessions,
     process_store,
-    success_rewards,
+    with_rewards,
 )
 from tidal.tree.trie import SessionTrie, TreeError, build_trie
 from tidal.tree.types import Branch, Segment, TrainTree
@@ -32,6 +32,6 @@ __all__ = [
     "load_sessions",
     "process_sessions",
     "process_store",
-    "success_rewards",
     "token_weights",
+    "with_rewards",
 ]

@@ -98,14 +98,16 @@ def success(reward: float) -> float:
 TRAIN_REWARDS: dict[str, Callable[[float], float]] = {"score": float, "success": success}
 
 
-def success_rewards(sessions: Sequence[SessionData]) -> list[SessionData]:
-    """The sessions with each outcome's reward and partial score made `success(reward)`
-    (`rl.reward = "success"`): partial credit dropped from what trains. Partial credit
-    can reward the wrong command: a grader that gives 0.25 for a non-empty answer file
-    makes any command that always prints something (`grep -c`) better, in its group,
-    than a right command written wrong, and RL moves the skill there."""
+def with_rewards(sessions: Sequence[SessionData],
+                 reward_of: Callable[[float], float]) -> list[SessionData]:
+    """The sessions with each outcome's reward and partial score mapped by `reward_of`
+    (`TRAIN_REWARDS[rl.reward]`: `float` keeps them, `success` trains on solved or not).
+    Partial credit can reward the wrong command: a grader that gives 0.25 for a non-empty
+    answer file makes any command that always prints something (`grep -c`) better, in
+    its group, than a right command written wrong, and RL moves the skill there."""
     return [s if s.outcome is None else replace(s, outcome=replace(
-        s.outcome, reward=success(s.outcome.reward), partial_score=success(s.outcome.reward)))
+        s.outcome, reward=reward_of(s.outcome.reward),
+        partial_score=reward_of(s.outcome.partial_score)))
             for s in sessions]
 
 
