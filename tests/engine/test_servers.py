@@ -183,6 +183,7 @@ def test_server_command_has_tidal_args_then_the_users(tmp_path: Path) -> None:
     spec = ServerSpec(python="py", tokenizer_dir=tmp_path, served_name="m", log_dir=tmp_path,
                       args=("--max-num-seqs", "8"))
     cmd = VLLMServer(spec, 0).command(tmp_path / "w")
-    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[:4] == [sys.executable, "-m", "tidal.engine.guard", "--"]  # dies with us
+    assert cmd[4:7] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--logprobs-mode" in cmd and cmd[-2:] == ["--max-num-seqs", "8"]
     assert cmd[cmd.index("--model") + 1] == str(tmp_path / "w")

@@ -26,6 +26,7 @@ import typer
 from click.testing import CliRunner, Result
 
 from tidal.cli import app
+from tidal.ledger.store import LedgerStore
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "tests.gateway.worker_engines:scripted"
@@ -176,3 +177,38 @@ def test_vllm_server_not_reachable(tmp_path: Path) -> None:
     assert res.exit_code == 1
     assert f"error: cannot reach vLLM at {url}" in res.output
     assert "tidal gateway:" not in res.output and not store.exists()
+
+
+def test_api_key_required_when_asked(tmp_path: Path) -> None:
+    """`--api-key` (repeatable): a call without one of the keys is 403 and records
+    nothing; with one it is served. Without `--api-key` no key is checked (above)."""
+    store = tmp_path / "ledger.db"
+    proc = tidal_serve("--port", "0", "--store", store, "--engine", ENGINE,
+                       "--api-key", "k-one", "--api-key", "k-two")
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout or ()],
+                     daemon=True).start()
+    try:
+        m = re.match(r"tidal gateway: (http://127\.0\.0\.1:\d+)/v1 ", lines.get(timeout=120))
+        assert m
+        url = f"{m.group(1)}/sessions/s-1/v1/chat/completions"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        for headers in ({}, {"Authorization": "Bearer k-three"}):
+            r = httpx.post(url, json=body, headers=headers, timeout=60)
+            assert r.status_code == 403, r.text
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer k-two"},
+                          timeout=60).status_code == 200
+        assert httpx.post(url, json=body, headers={"x-api-key": "k-one"},
+                          timeout=60).status_code == 200
+        with LedgerStore(store) as led:
+            assert led.count_calls() == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
+    res = serve_in_process("--api-key", " ", "--store", tmp_path / "l.db", "--engine", ENGINE)
+    assert res.exit_code == 2
+    assert "--api-key" in flat(res.output) and "non-empty" in flat(res.output)

@@ -109,3 +109,47 @@ def run_and_kill_mid_step(cfg: RunConfig, tmp_path: Path, out: Path) -> list[str
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     return cmd
+
+
+def live_at_stop(out: Path) -> tuple[set[str], list[str]]:
+    """After a run was stopped: the ids of every call committed, and its RL main sessions
+    with no outcome (live at the stop)."""
+    with LedgerStore(out / "ledger.db", readonly=True) as store:
+        before = {sc.call_id for sc in store.iter_calls()}
+        done = store.outcomes()
+        live = [s.session_id for s in store.sessions() if s.session_id.startswith("rl-")
+                and s.parent_session_id is None and s.session_id not in done]
+    return before, live
+
+
+def resume_to_the_end(cmd: list[str], out: Path, before: set[str], live: list[str],
+                      steps: int) -> dict[str, object]:
+    """`--resume` the stopped run of `cmd` to its end and check what it left: `steps`
+    steps, every session trained once, every call committed before the stop kept, the
+    sessions `live` at the stop resumed (not closed as infra_error, no call sampled
+    twice). Returns the final state.json."""
+    r = subprocess.run([*cmd[:-2], "--out", str(out), "--resume"], capture_output=True,
+                       text=True, timeout=900, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    final = json.loads((out / "checkpoint" / "state.json").read_text())
+    trained = final["trained_sessions"]
+    assert final["step"] == steps
+    assert len(trained) == len(set(trained)), "a session was trained twice"
+    with LedgerStore(out / "ledger.db", readonly=True) as store:
+        assert store.check() == []
+        assert before <= {sc.call_id for sc in store.iter_calls()}
+        outcomes = store.outcomes()
+        main_rl = [s.session_id for s in store.sessions()
+                   if s.session_id.startswith("rl-") and s.parent_session_id is None]
+        for sid in main_rl:  # every committed RL session trained or closed as infra_error
+            assert sid in trained or outcomes[sid].status.value == "infra_error", sid
+        for sid in live:  # resumed, not thrown away
+            assert outcomes[sid].details.get("error") != "the run was killed mid-session", sid
+            assert sid in trained or sid in final["dropped_sessions"], sid
+            log = store.call_log(sid)
+            prompts = [tuple(log.prompt_ids(sc.call_id).tolist()) for sc in log.calls]
+            assert len(prompts) == len(set(prompts)), f"{sid}: a call was sampled twice"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    (resume,) = [r for r in rows if r["phase"] == "resume"]
+    assert resume["episodes"] >= len(live)
+    return final

@@ -186,7 +186,7 @@ def test_a_function_harness_runs_its_tools_through_the_runtime(
     from openai import OpenAI
 
     def harness(ctx: EpisodeContext) -> HarnessResult | None:
-        client = OpenAI(base_url=ctx.session_url, api_key="x", max_retries=0)
+        client = OpenAI(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
         client.chat.completions.create(model=ctx.model, max_tokens=8,
                                        messages=[{"role": "user", "content": ctx.task.prompt}])
         r = ctx.runtime.exec("printf 42 > answer.txt && cat /etc/hostname", 10)
@@ -257,7 +257,7 @@ def test_unparsed_tool_calls_are_counted_per_episode(
                 '<tool_call>\n{"name": "write_file", "arguments": {}}\n</tool_call>')
 
     def harness(ctx: EpisodeContext) -> HarnessResult | None:
-        client = OpenAI(base_url=ctx.session_url, api_key="x", max_retries=0)
+        client = OpenAI(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
         for _ in range(2):
             client.chat.completions.create(model=ctx.model, tools=tools,  # type: ignore[arg-type]
                                            messages=[{"role": "user", "content": "go"}])

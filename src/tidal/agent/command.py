@@ -5,15 +5,17 @@ directory, inside the same sandbox the task's tools and grader use. The program 
 everything from its environment, the way OpenAI-compatible clients expect it:
 
     OPENAI_BASE_URL, OPENAI_API_BASE   the session's gateway URL (.../sessions/{id}/task/{task}/v1)
-    OPENAI_API_KEY                     a placeholder ("tidal"): the gateway needs none
+    OPENAI_API_KEY                     the episode's secret: the gateway takes it for this
+                                       episode's sessions only (tidal.gateway.access)
     ANTHROPIC_BASE_URL                 the same session for Anthropic clients (no /v1: the
-                                       SDK adds /v1/messages); ANTHROPIC_API_KEY a placeholder
+                                       SDK adds /v1/messages); ANTHROPIC_API_KEY the same key
     TIDAL_GATEWAY_URL                  the gateway's root, for other URL forms (subagents)
     TIDAL_MODEL, TIDAL_SESSION_ID, TIDAL_TASK_ID
     TIDAL_INSTRUCTION                  the task's instruction (omitted above 100 KB)
     TIDAL_INSTRUCTION_FILE             a file holding it (/logs/agent/instruction.md)
 
-plus the task's environment variables and `[agent] env`. The gateway is all it can reach
+plus the task's environment variables and `[agent] env` (which cannot replace the two
+keys). The gateway is all it can reach
 on the network (the sandbox relays its port and nothing else). Its stdout and stderr go
 to /logs/agent/stdout.txt and stderr.txt inside the sandbox (so a chatty harness is
 never killed for its output), and their last `log_bytes` come back in the result.
@@ -31,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tidal.agent.endpoint import API_KEY_PLACEHOLDER
 from tidal.agent.episode import EpisodeContext, HarnessResult
 
 LOG_DIR = "/logs/agent"
@@ -46,8 +47,8 @@ def harness_env(ctx: EpisodeContext) -> dict[str, str]:
     """The variables a command harness (or any program the user runs) is given."""
     url = ctx.session_url
     env = {
-        "OPENAI_BASE_URL": url, "OPENAI_API_BASE": url, "OPENAI_API_KEY": API_KEY_PLACEHOLDER,
-        "ANTHROPIC_BASE_URL": url.removesuffix("/v1"), "ANTHROPIC_API_KEY": API_KEY_PLACEHOLDER,
+        "OPENAI_BASE_URL": url, "OPENAI_API_BASE": url,
+        "ANTHROPIC_BASE_URL": url.removesuffix("/v1"),
         "TIDAL_GATEWAY_URL": ctx.gateway_url.rstrip("/"), "TIDAL_MODEL": ctx.model,
         "TIDAL_SESSION_ID": ctx.session_id, "TIDAL_TASK_ID": ctx.task.task_id,
         "TIDAL_INSTRUCTION_FILE": INSTRUCTION_FILE,
@@ -55,6 +56,11 @@ def harness_env(ctx: EpisodeContext) -> dict[str, str]:
     if len(ctx.task.prompt.encode()) <= MAX_ENV_INSTRUCTION:
         env["TIDAL_INSTRUCTION"] = ctx.task.prompt
     return env
+
+
+def key_env(ctx: EpisodeContext) -> dict[str, str]:
+    """The episode's API key, under the names the openai and anthropic SDKs read."""
+    return {"OPENAI_API_KEY": ctx.api_key, "ANTHROPIC_API_KEY": ctx.api_key}
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class CommandHarness:
     def run(self, ctx: EpisodeContext) -> HarnessResult:
         rt = ctx.runtime
         rt.write_file(INSTRUCTION_FILE, ctx.task.prompt)
-        env = {**harness_env(ctx), **self.env, "TIDAL_HARNESS_COMMAND": self.command}
+        env = {**harness_env(ctx), **self.env, **key_env(ctx),
+               "TIDAL_HARNESS_COMMAND": self.command}
         left = ctx.remaining()
         if left <= 0:
             return HarnessResult("timeout", error="no time left to start the harness")

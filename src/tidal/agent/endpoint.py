@@ -9,8 +9,9 @@ so that the wire format can be adjusted in one file:
   a post-compaction call to its summary call travel as headers (`request_headers`).
 - the id of a recorded call is the response's `id` (`call_id_of`).
 
-Deliberately simplified: no authentication (the gateway listens on localhost for the RL
-loop); the API key the openai client insists on is a fixed placeholder.
+The API key: in `tidal run` each episode gets its own secret, and the gateway accepts
+it only for that episode's sessions (`tidal.gateway.access`); a gateway that requires no
+key (`tidal serve` by default) is sent the placeholder `API_KEY_PLACEHOLDER`.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def _shared_http() -> openai.DefaultHttpxClient:
     return openai.DefaultHttpxClient()
 
 
-def default_client_factory(base_url: str, timeout_s: float) -> OpenAI:
+def default_client_factory(base_url: str, api_key: str, timeout_s: float) -> OpenAI:
     """The stock openai client for one session; no retries (a retry would be a new call).
     Its requests go through the process's one connection pool, each with `timeout_s`."""
-    return OpenAI(base_url=base_url, api_key=API_KEY_PLACEHOLDER, max_retries=0,
+    return OpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                   timeout=timeout_s, http_client=_shared_http())

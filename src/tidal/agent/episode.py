@@ -28,11 +28,11 @@ import builtins
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from tidal.agent.endpoint import session_base_url
+from tidal.agent.endpoint import API_KEY_PLACEHOLDER, session_base_url
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import Grade, Task, prepare
 from tidal.sandbox.types import ExecResult, ExecStatus
@@ -46,7 +46,9 @@ class EpisodeContext:
     """What a harness gets for one episode. `gateway_url` is the gateway's root as the
     harness reaches it; `session_url` the base URL to give an OpenAI-compatible client
     (it names the session and the task). `time_limit_s` is the wall clock the episode
-    has, counted from `started` (time.monotonic())."""
+    has, counted from `started` (time.monotonic()). `api_key` is the key to send with
+    every call: in `tidal run` the episode's own secret, which the gateway accepts only for
+    this episode's sessions (`tidal.gateway.access`)."""
 
     gateway_url: str
     session_id: str
@@ -55,6 +57,7 @@ class EpisodeContext:
     runtime: ToolRuntime
     time_limit_s: float
     started: float = field(default_factory=time.monotonic)
+    api_key: str = API_KEY_PLACEHOLDER
 
     @property
     def session_url(self) -> str:
@@ -153,11 +156,8 @@ class FunctionHarness:
     fn: HarnessFunction
 
     def run(self, ctx: EpisodeContext) -> HarnessResult:
-        bounded = EpisodeContext(
-            gateway_url=ctx.gateway_url, session_id=ctx.session_id, model=ctx.model,
-            task=ctx.task, runtime=DeadlineRuntime(ctx.runtime, ctx.started + ctx.time_limit_s),
-            time_limit_s=ctx.time_limit_s, started=ctx.started,
-        )
+        bounded = replace(
+            ctx, runtime=DeadlineRuntime(ctx.runtime, ctx.started + ctx.time_limit_s))
         try:
             got: object = self.fn(bounded)  # a user's function: its return is checked
         except Exception as e:

@@ -46,6 +46,7 @@ from openai.types.chat import (
 )
 
 from tidal.agent.endpoint import (
+    API_KEY_PLACEHOLDER,
     SpawnLink,
     call_id_of,
     default_client_factory,
@@ -66,7 +67,7 @@ from tidal.agent.tools import (
     tool_schemas,
 )
 
-ClientFactory = Callable[[str], OpenAI]
+ClientFactory = Callable[[str, str], OpenAI]  # (base URL, API key) -> client
 
 NUDGE = "Call a tool. When the task is done, call finish with your answer."
 SUMMARY_REQUEST = (
@@ -182,6 +183,7 @@ class _Session:
         runtime: ToolRuntime,
         config: AgentConfig,
         client_factory: ClientFactory,
+        api_key: str,
         session_id: str,
         role: str,
         task_id: str | None,
@@ -192,12 +194,13 @@ class _Session:
     ) -> None:
         self.gateway_url, self.model, self.prompt = gateway_url, model, prompt
         self.runtime, self.config, self.client_factory = runtime, config, client_factory
+        self.api_key = api_key
         self.session_id, self.role, self.task_id = session_id, role, task_id
         self.depth, self.deadline, self.max_turns = depth, deadline, max_turns
         can_spawn = depth < config.max_subagent_depth
         self.tools = tuple(t for t in config.tools if can_spawn or t != SPAWN_SUBAGENT)
         self.schemas = tool_schemas(self.tools)
-        self.client = client_factory(session_base_url(gateway_url, session_id, spawn))
+        self.client = client_factory(session_base_url(gateway_url, session_id, spawn), api_key)
         self.call_ids: list[str] = []
         self.subagents: list[AgentResult] = []
         self.n_tool_calls = 0
@@ -257,6 +260,7 @@ class _Session:
             runtime=self.runtime,
             config=self.config,
             client_factory=self.client_factory,
+            api_key=self.api_key,
             session_id=sub_id,
             role="subagent",
             task_id=self.task_id,
@@ -370,16 +374,18 @@ def run_agent(
     task_id: str | None = None,
     session_id: str | None = None,
     client_factory: ClientFactory | None = None,
+    api_key: str = API_KEY_PLACEHOLDER,
 ) -> AgentResult:
     """Run one main session against `gateway_url` (the gateway root; the session's base
     URL is built by `endpoint.session_base_url`). Never raises for model or tool
-    misbehaviour: the result's status says how the session ended."""
+    misbehaviour: the result's status says how the session ended. `api_key` is sent with
+    every call (an episode's key in `tidal run`: `tidal.gateway.access`)."""
     config = config or AgentConfig()
     if client_factory is None:
         timeout = config.request_timeout_s
 
-        def client_factory(base_url: str) -> OpenAI:
-            return default_client_factory(base_url, timeout)
+        def client_factory(base_url: str, api_key: str) -> OpenAI:
+            return default_client_factory(base_url, api_key, timeout)
 
     return _Session(
         gateway_url=gateway_url,
@@ -388,6 +394,7 @@ def run_agent(
         runtime=runtime,
         config=config,
         client_factory=client_factory,
+        api_key=api_key,
         session_id=session_id or new_session_id(),
         role="main",
         task_id=task_id,
@@ -412,7 +419,7 @@ class BuiltinHarness:
             ctx.gateway_url, ctx.model, ctx.task.prompt, ctx.runtime,
             replace(self.config, time_limit_s=max(ctx.remaining(), 1e-3)),
             task_id=ctx.task.task_id, session_id=ctx.session_id,
-            client_factory=self.client_factory,
+            client_factory=self.client_factory, api_key=ctx.api_key,
         )
         return HarnessResult(
             status=result.status, error=result.error,

@@ -226,12 +226,13 @@ class TidalModel:
 
     def __init__(self, base_url: str, *, deadline: float | None = None,
                  task_id: str | None = None, client: openai.OpenAI | None = None,
+                 api_key: str = API_KEY_PLACEHOLDER,
                  config_class: type = TidalModelConfig, **kwargs: Any) -> None:
         _mini()
         self.config = config_class(**kwargs)
         self.deadline = deadline
         self.client = client or openai.OpenAI(
-            base_url=base_url, api_key=API_KEY_PLACEHOLDER, max_retries=0,
+            base_url=base_url, api_key=api_key, max_retries=0,
             timeout=self.config.request_timeout_s,
             default_headers=request_headers("main", task_id))
 
@@ -346,7 +347,7 @@ class MiniSweAgent:
         # bounds them too); the timeout is not part of a logged command's identity
         env = TidalEnvironment(DeadlineRuntime(ctx.runtime, deadline), **cfg["environment"])
         model = TidalModel(ctx.session_url, deadline=deadline,
-                           task_id=ctx.task.task_id,
+                           task_id=ctx.task.task_id, api_key=ctx.api_key,
                            **{"model_name": ctx.model, **cfg["model"]})
         agent = DefaultAgent(model, env, **cfg["agent"])
         try:

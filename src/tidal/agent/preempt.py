@@ -193,6 +193,7 @@ class LiveEpisodes:
         self._owner: dict[str, str] = {}  # session id (main or subagent) -> main session id
         self._due: list[str] = []
         self._stopped: set[str] = set()  # preempted groups: episodes may not start
+        self._halted = False  # stop_all: no episode may start
         self._stop = False
         self._thread: threading.Thread | None = None
         # seconds in snapshots in this process (waiting for a running command included)
@@ -263,7 +264,7 @@ class LiveEpisodes:
         runtime (see the module doc)."""
         d = self.root / group
         with self._lock:
-            if group in self._stopped and not resume:
+            if self._halted or (group in self._stopped and not resume):
                 raise Preempted(session_id)  # its group stopped before it started
         record = EpisodeRecord(session_id, task_id)
         saved = d / f"{session_id}.tar"
@@ -348,6 +349,24 @@ class LiveEpisodes:
                 lv.preempted = True
         for lv in lives:
             self.snapshot_now(lv.record.session_id)
+        return len(lives)
+
+    def stop_all(self) -> int:
+        """The run is stopping: every live episode is saved as `preempt` saves it and
+        stopped, and none may start from now on. An episode whose sandbox cannot be
+        snapshotted (a command harness's) keeps its record only: it resumes in a fresh
+        sandbox, its recorded calls replayed. Returns the episodes stopped."""
+        with self._lock:
+            self._halted = True
+            lives = [lv for lv in self._live.values() if not lv.closed]
+            for lv in lives:
+                lv.preempted = True
+                self._stopped.add(lv.group)
+        for lv in lives:
+            if lv.can_snapshot:
+                self.snapshot_now(lv.record.session_id)
+            else:
+                self._save(lv, snapshot=False)
         return len(lives)
 
     def resuming(self, group: str) -> None:

@@ -46,6 +46,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -175,6 +176,8 @@ class VLLMServer:
                 "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_CPU_LORAS),
                 ) if s.lora_rank else ()
         return [
+            # the guard ends the server if this process dies without stopping it
+            sys.executable, "-m", "tidal.engine.guard", "--",
             s.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(weights_dir), "--tokenizer", str(s.tokenizer_dir),
             "--served-model-name", s.served_name, "--host", "127.0.0.1",

@@ -64,6 +64,14 @@ def serve(
     tool_parser_strict: Annotated[
         bool, typer.Option(help="turn the parsers' lenient rules off (docs/gateway.md)")
     ] = False,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="TIDAL_SERVE_API_KEY",
+            help="require this API key (Authorization: Bearer or x-api-key) on every "
+            "call; repeat for several (default: no key required)",
+        ),
+    ] = None,
 ) -> None:
     """Serve the recording gateway (Chat Completions, Responses, Anthropic Messages) on
     127.0.0.1."""
@@ -89,6 +97,7 @@ def serve(
         prefix_cache_mb=prefix_cache_mb,
         tool_parser=tool_parser,
         tool_parser_strict=tool_parser_strict,
+        api_keys=tuple(api_key or ()),
     )
     sessions = "(sessions: /sessions/<id>/v1)"
     try:

@@ -49,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
+from tidal.gateway.access import OPEN, Access
 from tidal.gateway.drift import DriftRecord, RecordedToolCall
 from tidal.gateway.family import ChatFamily, GatewayError, detect_family
 from tidal.gateway.messages import RequestError, messages_text, shown
@@ -105,6 +106,7 @@ class Route:
     parent_session_id: str | None = None
     task_id: str | None = None
     role: str | None = None
+    key: str | None = None  # the API key the request bore (`tidal.gateway.access`)
 
     def validate(self) -> None:
         """The same rules for an id from the URL or from a header (`check_route_id`)."""
@@ -286,6 +288,7 @@ class Gateway:
         lenient_tool_parsing: bool = True,
         seed: int | None = None,
         seed_key: Callable[[str], str] | None = None,
+        access: Access = OPEN,
     ) -> None:
         """`tool_parsers`: names (`tidal.gateway.toolcalls.resolve_parsers`), default the
         chat template's (`parsers_for_template`); `lenient_tool_parsing`: the parsers'
@@ -298,6 +301,7 @@ class Gateway:
         session id to what its seeds derive from (default: the id itself; `tidal run`
         drops the random part of its ids, `tidal.run.rollout.seed_key`)."""
         self.engine = engine
+        self.access = access
         self.seed = seed
         self.seed_key = seed_key or (lambda session_id: session_id)
         self.store = store
@@ -527,6 +531,22 @@ class Gateway:
         for hook in self.on_record:
             hook(call)
 
+    def _parent(self, route: Route, session_id: str) -> tuple[str | None, str | None]:
+        """The call's (parent call, parent session), once its API key is found good for
+        the session (`self.access`; a refusal is 403 and nothing runs). A parent session
+        the route names is checked before the parent call is looked up, so a call naming
+        a session the key does not own is refused as such."""
+        named = route.parent_call_id is None or route.parent_session_id is not None
+        if named:
+            self.access.check(route.key, route.session_id, route.parent_session_id,
+                              self.store.session_info)
+        parent_call, parent_session = self.sessions.parent(
+            route.parent_call_id, route.parent_session_id, session_id)
+        if not named:
+            self.access.check(route.key, route.session_id, parent_session,
+                              self.store.session_info)
+        return parent_call, parent_session
+
     # ---------------------------------------------------------------- chat
     def call(self, req: ChatCall, route: Route) -> ChatTurn:
         """One chat turn (any API): parse the request, find its session, assemble the
@@ -537,8 +557,7 @@ class Gateway:
         request = self._parse(req, route)
         auto = route.session_id is None  # an automatic session is found by content
         session_id = route.session_id or self.sessions.find(*request.routing())
-        parent_call, parent_session = self.sessions.parent(
-            route.parent_call_id, route.parent_session_id, session_id)
+        parent_call, parent_session = self._parent(route, session_id)
         turns = self.sessions.turns(session_id)
         check_session_row(turns, session_id, route.task_id, parent_session)
         plan = self._assemble(request, turns)
@@ -696,8 +715,7 @@ class Gateway:
             )
         lp = int_field(body, "logprobs", None, 0)
         session_id = route.session_id or f"auto-{uuid.uuid4().hex[:16]}"
-        parent_call, parent_session = self.sessions.parent(
-            route.parent_call_id, route.parent_session_id, session_id)
+        parent_call, parent_session = self._parent(route, session_id)
         turns = self.sessions.turns(session_id)
         check_session_row(turns, session_id, route.task_id, parent_session)
         params = self._sampling(body, int(ids.shape[0]), lp or 0)

@@ -173,7 +173,18 @@ def route_from(headers: Mapping[str, str], url_fields: Mapping[str, str]) -> Rou
         parent_session_id=pick("parent_session_id", HEADER_PARENT_SESSION),
         task_id=pick("task_id", HEADER_TASK),
         role=pick("role", HEADER_ROLE),
+        key=api_key(headers),
     )
+
+
+def api_key(headers: Mapping[str, str]) -> str | None:
+    """The request's API key: `Authorization: Bearer KEY` (openai's SDK) or `x-api-key:
+    KEY` (anthropic's)."""
+    auth = headers.get("authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return headers.get("x-api-key") or None
 
 
 def chat_stream(ans: Answer, include_usage: bool) -> Iterator[bytes]:

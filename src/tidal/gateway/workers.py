@@ -80,6 +80,7 @@ from yarl import URL
 
 from tidal.engine.base import Engine
 from tidal.gateway import anthropic
+from tidal.gateway.access import OPEN, Access, SessionKeys
 from tidal.gateway.core import Gateway
 from tidal.gateway.messages import RequestError
 from tidal.gateway.server import GatewayApp, error_body
@@ -141,6 +142,7 @@ class GatewaySpec:
     prefix_cache_mb: float = 256.0
     tool_parser: str | None = None  # names or module:attr; None: the template's
     tool_parser_strict: bool = False
+    api_keys: tuple[str, ...] = ()  # required on every call when any (SessionKeys.add)
 
     def check(self) -> Path:
         """The model directory, once every option is known to be usable (SpecError if not).
@@ -149,6 +151,9 @@ class GatewaySpec:
 
         if self.max_tokens < 1:
             raise SpecError(f"must be at least 1, got {self.max_tokens}", "--max-tokens")
+        if any(not k.strip() or k != k.strip() for k in self.api_keys):
+            raise SpecError("an API key must be non-empty, without surrounding spaces",
+                            "--api-key")
         if not (math.isfinite(self.prefix_cache_mb) and self.prefix_cache_mb >= 0):
             raise SpecError(f"must be a finite number of MiB >= 0 (0: off), got "
                             f"{self.prefix_cache_mb}", "--prefix-cache-mb")
@@ -273,7 +278,18 @@ def build_gateway(spec: GatewaySpec) -> Gateway:
         default_max_tokens=spec.max_tokens,
         tool_parsers=spec.tool_parser,
         lenient_tool_parsing=not spec.tool_parser_strict,
+        access=standing_keys(spec.api_keys),
     )
+
+
+def standing_keys(keys: tuple[str, ...]) -> Access:
+    """No check without keys; else every call must bear one of them."""
+    if not keys:
+        return OPEN
+    access = SessionKeys()
+    for k in keys:
+        access.add(k)
+    return access
 
 
 class _WorkerApp(GatewayApp):

@@ -704,6 +704,16 @@ class LedgerStore:
                 "SELECT 1 FROM sessions WHERE session_id=?", (session_id,)
             ).fetchone() is not None
 
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        """The session's row (task, parent, calls), or None when it has no call."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT s.session_id, s.task_id, s.parent_session_id, s.parent_call_id,"
+                " (SELECT COUNT(*) FROM calls c WHERE c.session_id = s.session_id)"
+                " FROM sessions s WHERE s.session_id=?", (session_id,)
+            ).fetchone()
+        return None if row is None else SessionInfo(*row)
+
     def session_of_call(self, call_id: str) -> str | None:
         """The session that holds call `call_id` (the first, should two sessions reuse an
         id), or None."""

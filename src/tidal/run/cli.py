@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,9 +211,21 @@ def run_cmd(
         "loading tasks, model and engine")
     made = not plan.out.exists()
     from tidal.run.loop import RunError, run
+    from tidal.run.stop import RunStopped, stop_on_signals
 
     try:
-        summary = run(plan.cfg, plan.out, resume=resume)
+        with stop_on_signals(plan.cfg.stop_grace_s):
+            summary = run(plan.cfg, plan.out, resume=resume)
+    except RunStopped as e:
+        _discard_unstarted(plan.out, made)
+        resumable = (plan.out / "config.toml").exists()
+        say(f"{e}: everything the run started is stopped"
+            + (f"; continue with: tidal run --resume --out {plan.out}" if resumable else ""))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # episode threads still in a sandbox command must not hold the exit: their
+        # sandboxes die with this process (bubblewrap's --die-with-parent)
+        os._exit(e.exit_code)
     except RunError as e:
         _discard_unstarted(plan.out, made)
         typer.echo(f"error: {e}", err=True)

@@ -370,6 +370,11 @@ class LogConfig(_Section):
 
 class RunConfig(_Section):
     seed: int = Field(0, description="seed for task sampling and generation")
+    stop_grace_s: float = Field(
+        30.0, gt=0, description="seconds `tidal run` has, after SIGTERM or SIGINT, to save "
+        "its live sessions and stop what it started before it kills what is left and "
+        "exits (docs/sandbox.md, \"What the agent cannot do\")",
+    )
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     tasks: TasksConfig = TasksConfig()

@@ -45,6 +45,7 @@ from tidal.agent.preempt import LiveEpisodes, LiveGroup, SnapshotPolicy
 from tidal.agent.tasks import Demonstration, Task, TaskError, taught
 from tidal.engine.base import Engine
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
+from tidal.gateway.access import SessionKeys
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
 from tidal.ledger import LedgerStore, SessionMeta
@@ -62,6 +63,7 @@ from tidal.run.rollout import (
     new_session_id,
     seed_key,
 )
+from tidal.run.stop import deferred
 from tidal.sandbox import SandboxConfig
 from tidal.sandbox.types import Bind
 from tidal.schedule.curriculum import record_groups, sample_batch
@@ -109,8 +111,10 @@ class Parts:
     rows_seen: int = 0  # the ledger's rows read as of the last `ledger_rows_read`
 
     def checkpoint(self, st: RunState) -> RunState:
+        """A checkpoint of `st`, written whole: a stop waits for it (`deferred`)."""
         st = st.advance(elapsed_s=self.earlier_s + time.time() - self.t_start)
-        save_checkpoint(self.run_dir, self.trainer, st)
+        with deferred():
+            save_checkpoint(self.run_dir, self.trainer, st)
         return st
 
     def sync_engine(self, version: int) -> float:
@@ -275,9 +279,11 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
         raise RunError(str(e)) from e
     store = LedgerStore(run_dir / "ledger.db")
     # every request seeded from (run seed, session, call): `tidal.gateway.core.call_seed`
+    # each episode's harness gets a key of its own, good for its own sessions only
+    keys = SessionKeys()
     gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
                             lenient_tool_parsing=not cfg.engine.tool_parser_strict,
-                            seed=cfg.seed, seed_key=seed_key)
+                            seed=cfg.seed, seed_key=seed_key, access=keys)
     # live task groups saved as they run, so a killed run resumes their episodes
     live = LiveEpisodes(run_dir / "live", store, gateway.gateway,
                         SnapshotPolicy(cfg.rollout.snapshot_every, cfg.rollout.snapshot_every_s))
@@ -291,7 +297,7 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
         url, model_name, harness, new_runtime, store, sandbox=sandbox,
         environments=environments, default_time_limit_s=cfg.tasks.time_limit_s,
         time_limit_s=cfg.agent.timeout_sec or None, log_dir=run_dir / "harness",
-        forget=gateway.gateway.forget_session,
+        forget=gateway.gateway.forget_session, keys=keys,
     )
     evals = replace(rollouts, harness=eval_harness)
     return Parts(cfg, run_dir, tokenizer, engine, store, gateway,
@@ -327,9 +333,11 @@ def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any
             _sample_trees(parts.store, sessions, run_dir / "trees",
                           lambda ids: str(parts.tokenizer.decode(list(ids))))
     except TrainerRankError as e:  # a rank died: the last checkpoint is whole
+        parts.live.episodes.stop_all()
         parts.log.close(failed=True)
         raise RunError(str(e)) from e
-    except BaseException:
+    except BaseException:  # a stop (tidal.run.stop) or a failure: live episodes saved
+        parts.live.episodes.stop_all()
         parts.log.close(failed=True)
         raise
     finally:

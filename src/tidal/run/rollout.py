@@ -31,10 +31,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tidal.agent.endpoint import API_KEY_PLACEHOLDER
 from tidal.agent.episode import EpisodeContext, Harness, HarnessResult, run_task
 from tidal.agent.preempt import Preempted
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import Demonstration, Grade, Task, demonstrations
+from tidal.gateway.access import SessionKeys
 from tidal.ledger import Call, LedgerStore, Outcome, Status
 from tidal.run.components import RuntimeFactory
 from tidal.sandbox import SandboxConfig
@@ -185,7 +187,9 @@ class Rollouts:
     (`agent.timeout_sec`), else its own, else `default_time_limit_s`. `log_dir`, when
     given, keeps each session's harness output (`<session>.stdout.txt`, `.stderr.txt`).
     `forget`, when given, is called with each session id of an episode once its
-    outcomes are recorded (the in-process gateway's `forget_session`)."""
+    outcomes are recorded (the in-process gateway's `forget_session`). `keys`, when
+    given, is the gateway's `SessionKeys`: each episode gets a secret of its own as its
+    harness's API key, good for its own sessions until the harness ends."""
 
     gateway_url: str
     model: str
@@ -198,6 +202,7 @@ class Rollouts:
     time_limit_s: float | None = None
     log_dir: Path | None = None
     forget: Callable[[str], object] | None = None
+    keys: SessionKeys | None = None
 
     def limit(self, task: Task) -> float:
         return self.time_limit_s or task.time_limit_s or self.default_time_limit_s
@@ -218,9 +223,10 @@ class Rollouts:
             return ended
         try:
             with hooks.runtime(task, session_id, self.config_for(task),
-                               self.new_runtime) as (runtime, used):
-                ctx = EpisodeContext(self.gateway_url, session_id, self.model, task, runtime,
-                                     self.limit(task), started=time.monotonic() - used)
+                               self.new_runtime) as (runtime, used), self._key(session_id) as key:
+                ctx = EpisodeContext(self.gateway_url, session_id, self.model, task,
+                                     runtime, self.limit(task),
+                                     started=time.monotonic() - used, api_key=key)
                 result, grade = run_task(self.harness, ctx)
         except Preempted:
             raise  # saved, to be resumed elsewhere: no outcome
@@ -257,6 +263,18 @@ class Rollouts:
         )
         hooks.done(ep)
         return ep
+
+    @contextlib.contextmanager
+    def _key(self, session_id: str) -> Iterator[str]:
+        """The episode's API key, closed when the episode ends."""
+        if self.keys is None:
+            yield API_KEY_PLACEHOLDER
+            return
+        key = self.keys.open(session_id)
+        try:
+            yield key
+        finally:
+            self.keys.close(key)
 
     def demonstrations(self, task: Task) -> list[Demonstration]:
         """The task's warm-start demonstrations. A task with an environment runs its
