@@ -23,8 +23,8 @@ from tidal.agent.harbor import (
     run_oracle,
     task_dirs,
 )
-from tidal.agent.runtime import ToolRuntime
-from tidal.agent.sandboxed import sandboxed_runtime
+from tidal.agent.runtime import RuntimeToolError, ToolRuntime
+from tidal.agent.sandboxed import SandboxRuntime, sandboxed_runtime
 from tidal.agent.tasks import Task, TaskError, prepare
 from tidal.sandbox import Limits, SandboxConfig
 
@@ -78,6 +78,14 @@ def test_the_newer_task_table_and_env_fields_read(tmp_path: Path) -> None:
         ({"dockerfile": "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y curl\n"},
          "environment/Dockerfile", "line 2"),
         ({"dockerfile": "FROM a\nFROM b\n"}, "environment/Dockerfile", "line 2"),
+        ({"toml": "[verifier]\nenvironment_mode = \"host\"\n"}, "task.toml",
+         "[verifier].environment_mode must be one of pristine, separate, shared"),
+        ({"toml": "[verifier]\ncarry_paths = [\"app\"]\n"}, "task.toml",
+         "[verifier].carry_paths must be a list of absolute paths"),
+        ({"toml": "[verifier]\ncarry_paths = \"/app\"\n"}, "task.toml",
+         "[verifier].carry_paths must be a list of absolute paths"),
+        ({"toml": "[verifier]\nenvironment_mode = \"shared\"\ncarry_paths = [\"/app\"]\n"},
+         "task.toml", "carry_paths means nothing with environment_mode = \"shared\""),
     ],
 )
 def test_a_malformed_task_is_refused_naming_the_task_and_the_file(
@@ -89,6 +97,16 @@ def test_a_malformed_task_is_refused_naming_the_task_and_the_file(
     assert (e.value.task, e.value.file) == ("broken-1", file)
     assert problem in e.value.problem, e.value.problem
     assert str(e.value).startswith(f"task 'broken-1': {file}: ")
+
+
+@pytest.mark.parametrize(("verifier", "carry"), [
+    ("", ()), ('environment_mode = "pristine"', ()), ('environment_mode = "separate"', ()),
+    ('carry_paths = ["/app", "/data/out"]', ("/app", "/data/out")),
+    ('environment_mode = "shared"', None)])
+def test_what_the_verifier_sees_of_the_agent_is_read_from_task_toml(
+        tmp_path: Path, verifier: str, carry: tuple[str, ...] | None) -> None:
+    d = write_task(tmp_path, "t", toml=f"[verifier]\n{verifier}\n")
+    assert load_task(d).verifier_carry == carry
 
 
 def test_a_missing_task_toml_and_a_bad_directory_name_are_refused(tmp_path: Path) -> None:
@@ -229,6 +247,35 @@ def test_a_tb2_task_builds_grades_untouched_and_after_its_oracle(tmp_path: Path)
     with sandboxed_runtime(config) as rt:  # partial credit: the file, the wrong text
         rt.write_file("hello.txt", "hi")
         assert task.grader.grade(rt).reward == 0.5
+
+
+def test_the_verifier_runs_in_what_end_agent_leaves(tmp_path: Path) -> None:
+    """`run_task`'s order on a real sandbox: the oracle's answer in /app carried over
+    into a fresh sandbox; a hello.txt written outside the carried paths is not; the
+    agent's box can no longer be snapshotted; "shared" keeps the same sandbox."""
+    task = load_task(write_task(tmp_path / "tasks"))
+    config = Environments(IMAGES, None, tmp_path / "cache").sandbox_config(
+        task, SandboxConfig(limits=LIMITS))
+    with sandboxed_runtime(config) as rt:
+        assert isinstance(rt, SandboxRuntime) and rt.can_snapshot
+        assert run_oracle(task, rt) is None
+        agents = rt.sandbox
+        assert rt.end_agent(task.verifier_carry) == "pristine, carrying /app"
+        assert agents.closed and not rt.sandbox.closed and not rt.can_snapshot
+        with pytest.raises(RuntimeToolError, match="the agent has ended"):
+            rt.snapshot(tmp_path / "s.tar")
+        assert task.grader.grade(rt).reward == 1.0
+    assert rt.sandbox.closed  # the verifier's sandbox closes with the episode
+    with sandboxed_runtime(config) as rt:
+        assert run_oracle(task, rt) is None
+        assert rt.end_agent(["/tmp"]) == "pristine, carrying /tmp"
+        assert task.grader.grade(rt).reward == 0.0
+    with sandboxed_runtime(config) as rt:
+        assert isinstance(rt, SandboxRuntime)
+        assert run_oracle(task, rt) is None
+        agents = rt.sandbox
+        assert rt.end_agent(None) == "shared" and rt.sandbox is agents
+        assert task.grader.grade(rt).reward == 1.0
 
 
 def test_an_unmapped_from_is_refused_with_the_remedy(tmp_path: Path) -> None:

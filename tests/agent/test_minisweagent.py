@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,6 +251,9 @@ class Watched:
 
     def snapshot(self, path: Path) -> None:
         self.rt.snapshot(path)
+
+    def end_agent(self, carry: Sequence[str] | None) -> str:
+        return self.rt.end_agent(carry)
 
 
 REPLAYED = (  # not idempotent: a command run twice shows in the files

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,15 @@ def test_exec_runs_in_the_root_and_captures_both_streams(runtime: LocalDirRuntim
 def test_exec_timeout_kills_the_whole_process_group(runtime: LocalDirRuntime) -> None:
     r = runtime.exec("(sleep 30; echo late > late.txt) & sleep 30", timeout_s=0.5)
     assert r.timed_out and r.exit_code == 124
+    assert not (runtime.root / "late.txt").exists()
+
+
+def test_end_agent_kills_what_its_commands_left_running(runtime: LocalDirRuntime) -> None:
+    r = runtime.exec("(sleep 1; echo late > late.txt) >/dev/null 2>&1 & echo started",
+                     timeout_s=10)
+    assert r.stdout == "started\n"
+    assert runtime.end_agent(()) == "shared (a local directory: no pristine image)"
+    time.sleep(1.5)
     assert not (runtime.root / "late.txt").exists()
 
 

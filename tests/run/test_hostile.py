@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.agent.harbor_tasks import IMAGES, write_task
+from tests.agent.harbor_tasks import IMAGES, TB2_TOML, write_task
 from tidal.ledger import LedgerStore
 from tidal.run.config import parse_config
 from tidal.run.loop import run
@@ -24,10 +24,11 @@ HOSTILE = Path(__file__).resolve().parent / "hostile"
 EPISODE_ID = re.compile(r"^(rl|evalstart|evalend)-\d+-hello-\d+-\d+-[0-9a-f]{6}$")
 
 
-def hostile_run(tmp_path: Path, script: str, *, steps: int = 1) -> tuple[Path, dict[str, Any]]:
+def hostile_run(tmp_path: Path, script: str, *, steps: int = 1,
+                toml: str | None = None) -> tuple[Path, dict[str, Any]]:
     tasks = tmp_path / "tasks"
     for i in range(3):
-        write_task(tasks, f"hello-{i}", agent_timeout=60.0)
+        write_task(tasks, f"hello-{i}", agent_timeout=60.0, toml=toml)
     cfg = {
         "tasks": {"source": str(tasks), "heldout_size": 1, "train_size": 2},
         "agent": {"harness": "command", "command": f"python3 /opt/hostile/{script}",
@@ -59,3 +60,39 @@ def test_a_harness_cannot_write_into_sessions_not_its_own(tmp_path: Path) -> Non
         assert all(len(store.call_log(s).calls) == 1 for s in ids)  # its own call only
         rewards = [o.reward for o in store.outcomes().values()]
     assert rewards and max(rewards) == 0.0  # the task untouched scores 0
+
+
+def _verdicts(out: Path) -> dict[int, list[tuple[float, str]]]:
+    """Per task (hello-<i>): each graded episode's reward and what its verifier ran in."""
+    with LedgerStore(out / "ledger.db", readonly=True) as store:
+        outcomes = store.outcomes()
+    by_task: dict[int, list[tuple[float, str]]] = {}
+    for sid, o in outcomes.items():
+        task = int(sid.split("-hello-")[1].split("-")[0])
+        by_task.setdefault(task, []).append((o.reward, o.details["grader"]["verifier_env"]))
+    return by_task
+
+
+@pytest.mark.slow
+def test_the_verifier_never_runs_what_the_agent_planted_or_left_running(tmp_path: Path) -> None:
+    """tests/run/hostile/tamper.py: fake grep/python3 first on PATH (hello-0), over the
+    real ones (hello-1), a reward rewriter and a tests rewriter left running (hello-2).
+    By default the verifier runs in a fresh sandbox from the task's image with only /app
+    carried over: every attack earns what the untouched task earns, 0. The same run with
+    `environment_mode = "shared"` shows the attacks are real: the planted programs earn
+    1.0 there, while what was left running is still killed before the verifier starts."""
+    out, summary = hostile_run(tmp_path / "pristine", "tamper.py")
+    assert summary["verify_ok"]
+    verdicts = _verdicts(out)
+    assert sorted(verdicts) == [0, 1, 2], verdicts
+    assert all(v == (0.0, "pristine, carrying /app") for vs in verdicts.values() for v in vs), \
+        verdicts
+
+    shared = TB2_TOML.format(agent_timeout=60.0, verifier_timeout=60.0).replace(
+        "[verifier]\n", '[verifier]\nenvironment_mode = "shared"\n')
+    out, summary = hostile_run(tmp_path / "shared", "tamper.py", toml=shared)
+    assert summary["verify_ok"]
+    verdicts = _verdicts(out)
+    assert sorted(verdicts) == [0, 1, 2], verdicts
+    assert {t: set(vs) for t, vs in verdicts.items()} == {
+        0: {(1.0, "shared")}, 1: {(1.0, "shared")}, 2: {(0.0, "shared")}}, verdicts

@@ -27,7 +27,7 @@ from __future__ import annotations
 import builtins
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -90,8 +90,11 @@ class Harness(Protocol):
 
 
 def run_task(harness: Harness, ctx: EpisodeContext) -> tuple[HarnessResult, Grade]:
-    """Prepare the runtime for `ctx.task` (its setup files), run the harness, grade what
-    the episode left with the task's grader."""
+    """Prepare the runtime for `ctx.task` (its setup files), run the harness, end the
+    agent (`ToolRuntime.end_agent` with the task's `verifier_carry`: its processes
+    killed and, for a Harbor task, a fresh environment from the pristine image with only
+    the working directory carried over) and grade what the episode left with the task's
+    grader; the grade's `extra["verifier_env"]` says what the verifier ran in."""
     prepare(ctx.task, ctx.runtime)
     try:
         result = harness.run(ctx)
@@ -99,7 +102,9 @@ def run_task(harness: Harness, ctx: EpisodeContext) -> tuple[HarnessResult, Grad
         result = HarnessResult("aborted", error=_describe(e))
     if result.status not in SESSION_STATUSES:
         result = HarnessResult("aborted", error=f"harness returned status {result.status!r}")
-    return result, ctx.task.grader.grade(ctx.runtime, finished=result.finished)
+    verifier_env = ctx.runtime.end_agent(ctx.task.verifier_carry)
+    grade = ctx.task.grader.grade(ctx.runtime, finished=result.finished)
+    return result, replace(grade, extra={**grade.extra, "verifier_env": verifier_env})
 
 
 def _describe(e: BaseException) -> str:
@@ -134,6 +139,9 @@ class DeadlineRuntime:
 
     def upload(self, src: Path, dest: str) -> None:
         self.runtime.upload(src, dest)
+
+    def end_agent(self, carry: Sequence[str] | None) -> str:
+        return self.runtime.end_agent(carry)
 
     @property
     def can_snapshot(self) -> bool:

@@ -19,9 +19,13 @@ tinker-cookbook load it). One directory per task; its name is the task id:
 
 `load_tasks(DIR)` reads a directory of task directories (or one task directory) and
 refuses a malformed task with the task, the file and what is wrong. The grader of a
-Harbor task is `VerifierScript`: when the agent has ended, tests/ is copied to /tests and
-`bash /tests/test.sh` runs in the same sandbox, in the task's working directory, within
-`[verifier] timeout_sec`; the reward is read from /logs/verifier:
+Harbor task is `VerifierScript`: when the agent has ended, every process it left is
+killed and the verifier gets a fresh sandbox from the task's pristine image holding only
+the agent's working directory as the agent left it (`[verifier] carry_paths = ["/app",
+"/data"]`, tidal's own key, names other paths; `environment_mode = "shared"` keeps the
+agent's whole environment, and the verdict says so: `verifier_env` in the grade). There
+tests/ is copied to /tests and `bash /tests/test.sh` runs in the task's working
+directory, within `[verifier] timeout_sec`; the reward is read from /logs/verifier:
 
 - `reward.txt`: one number (read first, as Harbor does);
 - else `reward.json`: an object of numbers; the reward is its `"reward"` key, or its only
@@ -31,8 +35,10 @@ A script that writes neither, an unreadable or non-finite number, several number
 `"reward"` key, or a run past the timeout is a grader error: the session is masked and
 counted, never a crash. The harness's status does not enter the reward (a timed-out
 agent is graded on what it left). Not supported: Harbor's multi-step tasks (`steps/`),
-docker-compose environments, and a separate verifier container; the network is never
-given (`allow_internet` is read and reported, not granted).
+docker-compose environments, and a verifier image of its own (`environment_mode =
+"separate"` grades in the task's pristine image, as the default does, not from
+tests/Dockerfile); the network is never given (`allow_internet` is read and reported,
+not granted).
 """
 
 from __future__ import annotations
@@ -230,6 +236,28 @@ def _env(table: Mapping[str, Any], where: str, err: Any) -> dict[str, str]:
     return out
 
 
+ENVIRONMENT_MODES = ("pristine", "separate", "shared")
+
+
+def _verifier_carry(verifier: Mapping[str, Any], err: Any) -> tuple[str, ...] | None:
+    """What the verifier sees of the agent's environment (`Task.verifier_carry`), from
+    `[verifier] environment_mode` and tidal's `carry_paths`."""
+    mode = verifier.get("environment_mode", "pristine")
+    if mode not in ENVIRONMENT_MODES:
+        err(f"[verifier].environment_mode must be one of {', '.join(ENVIRONMENT_MODES)}, "
+            f"got {mode!r}")
+    paths = verifier.get("carry_paths", [])
+    if not isinstance(paths, list) or not all(
+            isinstance(p, str) and p.startswith("/") and "\0" not in p for p in paths):
+        err(f"[verifier].carry_paths must be a list of absolute paths, got {paths!r}")
+    if mode == "shared":
+        if paths:
+            err("[verifier].carry_paths means nothing with environment_mode = \"shared\": the "
+                "verifier sees all of the agent's environment")
+        return None
+    return tuple(paths)
+
+
 def _size_mb(table: Mapping[str, Any], key_mb: str, legacy: str, err: Any) -> int | None:
     """`memory_mb = 2048`, or the older `memory = "2G"` (K, M, G, T; a bare number is MB)."""
     if key_mb in table:
@@ -274,6 +302,7 @@ def _parse_toml(task_id: str, path: Path) -> dict[str, Any]:
         "metadata": meta, "version": str(data.get("version", "")),
         "verifier_timeout": _number(verifier, "timeout_sec", "[verifier]", DEFAULT_TIMEOUT_S, err),
         "verifier_env": _env(verifier, "[verifier]", err),
+        "verifier_carry": _verifier_carry(verifier, err),
         "agent_timeout": _number(agent, "timeout_sec", "[agent]", DEFAULT_TIMEOUT_S, err),
         "solution_env": _env(solution, "[solution]", err),
         "environment": {
@@ -334,7 +363,7 @@ def load_task(path: Path) -> Task:
         task_id=tid, prompt=prompt,
         grader=VerifierScript(path / "tests", cfg["verifier_timeout"], cfg["verifier_env"]),
         family=str(cfg["metadata"].get("category", "")), environment=spec,
-        time_limit_s=cfg["agent_timeout"], source=path,
+        time_limit_s=cfg["agent_timeout"], source=path, verifier_carry=cfg["verifier_carry"],
         oracle=Oracle(solve.parent, cfg["solution_env"]) if solve.is_file() else None,
         solution=read_tool_calls(tid, calls) if calls.is_file() else (),
         metadata={"name": cfg["name"], "description": cfg["description"],

@@ -98,6 +98,12 @@ class _Guarded:
     def snapshot(self, path: Path) -> None:
         self._rt.snapshot(path)
 
+    def end_agent(self, carry: Sequence[str] | None) -> str:
+        """No snapshot after this: a preempted grade resumes from the agent's last one."""
+        self._check()
+        self._live.can_snapshot = False
+        return self._rt.end_agent(carry)
+
 
 class ReplayProgress(Protocol):
     """How far a replayed session got (`tidal.gateway.replay.ReplayStatus`)."""
@@ -440,7 +446,11 @@ def _restored(path: Path, config: SandboxConfig) -> Iterator[ToolRuntime]:
     """The saved layer and log under this run's config: its limits, ports and mounts,
     and the image and layers where they live on this machine."""
     with Sandbox.restore(path, **{f.name: getattr(config, f.name) for f in fields(config)}) as sb:
-        yield SandboxRuntime(sb)
+        rt = SandboxRuntime(sb)
+        try:
+            yield rt
+        finally:
+            rt.close()
 
 
 def abandoned_calls(replay: ReplayControl | None, session_ids: Sequence[str]) -> list[str]:

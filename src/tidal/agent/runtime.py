@@ -25,7 +25,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -49,7 +49,8 @@ class ToolRuntime(Protocol):
     contents, executable bits kept) to `dest` in the runtime (how a test.sh grader puts
     tests/ at /tests); `snapshot` saves the runtime's files and command log to `path` as
     a `tidal.sandbox` snapshot, which a restored sandbox continues from (a preempted
-    episode's), and is called only when `can_snapshot` is True.
+    episode's), and is called only when `can_snapshot` is True; `end_agent` is called
+    once the agent is done, before the grader (see its docstring).
     """
 
     @property
@@ -69,6 +70,15 @@ class ToolRuntime(Protocol):
 
     def upload(self, src: Path, dest: str) -> None: ...
 
+    def end_agent(self, carry: Sequence[str] | None) -> str:
+        """The agent is done: kill every process it left running. With `carry` (paths;
+        () for the working directory), the runtime goes on in a fresh environment from
+        the task's pristine image that holds only those paths as the agent left them, so
+        that nothing it did elsewhere (PATH, binaries, system files) reaches the
+        verifier; None keeps the agent's environment (shared). Returns what the
+        verifier runs in, for the verdict."""
+        ...
+
 
 def _cap(text: str, cap: int) -> tuple[str, bool]:
     if len(text) <= cap:
@@ -87,6 +97,7 @@ class LocalDirRuntime:
             raise RuntimeToolError(f"output_cap must be >= 1, got {output_cap}")
         self.root = root.resolve()
         self.output_cap = output_cap
+        self._groups: set[int] = set()  # the process group of every command started
 
     can_snapshot = False  # a plain directory: an episode resumes in a fresh one
 
@@ -120,6 +131,7 @@ class LocalDirRuntime:
             start_new_session=True,  # own process group, so a timeout kills its children
             env={**os.environ, "HOME": str(self.root), "PWD": str(self.root), **(env or {})},
         )
+        self._groups.add(proc.pid)
         timed_out, t0 = False, time.perf_counter()
         try:
             out_b, err_b = proc.communicate(timeout=timeout_s)
@@ -171,3 +183,13 @@ class LocalDirRuntime:
             shutil.copy2(src, host)
         else:
             raise FileNotFoundError(f"cannot upload {src}: no such file or directory")
+
+    def end_agent(self, carry: Sequence[str] | None) -> str:
+        """Kills the process group of every command it ran (what left it with setsid
+        survives: this runtime is not isolated). There is no pristine image to start
+        from, so the verifier always shares the directory."""
+        for pgid in self._groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        self._groups.clear()
+        return "shared (a local directory: no pristine image)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
@@ -25,6 +25,7 @@ class SandboxRuntime:
 
     def __init__(self, sandbox: Sandbox) -> None:
         self.sandbox = sandbox
+        self.can_snapshot = True  # until the agent has ended: the verifier's box is not its
 
     def exec(
         self, command: str, timeout_s: float, *, env: Mapping[str, str] | None = None
@@ -56,10 +57,23 @@ class SandboxRuntime:
             raise RuntimeToolError(str(e)) from e
         return sorted(e.name + ("/" if e.kind == "dir" else "") for e in entries)
 
-    can_snapshot = True
-
     def snapshot(self, path: Path) -> None:
+        if not self.can_snapshot:
+            raise RuntimeToolError("the agent has ended: its sandbox is gone, and the "
+                                   "verifier's is not to be resumed")
         self.sandbox.snapshot(path)
+
+    def end_agent(self, carry: Sequence[str] | None) -> str:
+        if carry is None:
+            self.sandbox.kill_processes()
+            return "shared"
+        paths = tuple(carry) or (self.sandbox.config.workdir,)
+        self.can_snapshot = False
+        self.sandbox = self.sandbox.fresh(paths)
+        return "pristine, carrying " + ", ".join(paths)
+
+    def close(self) -> None:
+        self.sandbox.close()
 
     def upload(self, src: Path, dest: str) -> None:
         """Copy a host file or directory tree into the sandbox through its file API
@@ -92,4 +106,8 @@ class SandboxRuntime:
 def sandboxed_runtime(config: SandboxConfig | None = None) -> Iterator[ToolRuntime]:
     """A fresh sandbox made from `config` (the default image when None)."""
     with Sandbox(config or SandboxConfig()) as sb:
-        yield SandboxRuntime(sb)
+        rt = SandboxRuntime(sb)
+        try:
+            yield rt
+        finally:
+            rt.close()  # the verifier's sandbox, when the agent's was replaced

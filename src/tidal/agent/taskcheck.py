@@ -77,6 +77,7 @@ def check_task(path: Path, environments: Environments, new_runtime: RuntimeFacto
     problems: list[Problem] = []
     with new_runtime(config) as rt:
         prepare(task, rt)
+        rt.end_agent(task.verifier_carry)
         untouched, found = _graded(task.grader.grade(rt), "untouched environment")
     problems += found
     if untouched is not None and untouched >= 1.0:
@@ -92,6 +93,7 @@ def check_task(path: Path, environments: Environments, new_runtime: RuntimeFacto
             if why is not None:
                 problems.append(Problem("solution/solve.sh", why))
             else:
+                rt.end_agent(task.verifier_carry)  # graded as an agent's episode is
                 oracle, found = _graded(task.grader.grade(rt), "after the oracle")
                 problems += found
         if oracle is not None and oracle != 1.0:

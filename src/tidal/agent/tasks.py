@@ -191,7 +191,11 @@ class Oracle:
 class Task:
     """One task. `time_limit_s`, when set, is the task's own wall-clock limit for the
     agent (Harbor's `[agent] timeout_sec`); `oracle` its reference solution script;
-    `source` the directory it was read from."""
+    `source` the directory it was read from. `verifier_carry` is what the grader sees
+    of the agent's environment (`ToolRuntime.end_agent`): None all of it (the built-in
+    file checks, which only read files), else a fresh environment from the pristine
+    image with only these paths carried over, () for the working directory (a Harbor
+    task's default: its test.sh runs commands)."""
 
     task_id: str
     prompt: str
@@ -204,6 +208,7 @@ class Task:
     oracle: Oracle | None = None
     source: Path | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    verifier_carry: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.task_id or not self.prompt.strip():

@@ -198,7 +198,8 @@ def make_runtime_factory(kind: str) -> RuntimeFactory:
         with factory(config) as runtime:
             if not isinstance(runtime, ToolRuntime):
                 missing = [m for m in ("exec", "read_file", "write_file", "list", "upload",
-                                       "can_snapshot", "snapshot") if not hasattr(runtime, m)]
+                                       "can_snapshot", "snapshot", "end_agent")
+                           if not hasattr(runtime, m)]
                 raise ComponentError(
                     f"rollout.sandbox = {kind!r} gave a {type(runtime).__name__}, not a "
                     f"ToolRuntime (tidal.agent.runtime): it lacks {', '.join(missing)}")

@@ -308,7 +308,7 @@ def remove_stale_v1(name: str) -> None:
 # --------------------------------------------------------------------------- fallback
 
 
-def _pidns_members(pidns_inode: int, exclude: set[int]) -> list[int]:
+def pidns_members(pidns_inode: int, exclude: set[int]) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):  # noqa: PTH208
         if not entry.isdigit() or int(entry) in exclude:
@@ -380,7 +380,7 @@ class RlimitControls:
         return 0, 0
 
     def freeze(self) -> None:
-        self._stopped = _pidns_members(self.pidns_inode, {self.init_pid})
+        self._stopped = pidns_members(self.pidns_inode, {self.init_pid})
         for pid in self._stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)

@@ -76,12 +76,23 @@ class ArchiveWriter:
         self.offset = len(MAGIC)
         self.layers: dict[str, list[dict[str, Any]]] = {}
 
-    def add_layer(self, key: str, upper: Path) -> int:
-        """Add the overlayfs upper directory `upper` as layer `key`; returns data bytes."""
+    def add_layer(self, key: str, upper: Path, *, only: Sequence[str] | None = None,
+                  merged: Path | None = None) -> int:
+        """Add the overlayfs upper directory `upper` as layer `key`; returns data bytes.
+
+        With `only` (paths relative to the layer's mount, "" for all of it), just those
+        subtrees as the upper holds them (deletions and opaque directories included) and
+        the directories above them, without their opaque marks, so that everything else
+        shows the layers below: `merged` (the mount's merged view) gives the attributes
+        of a directory above that the upper does not hold. A path whose directory above
+        is no longer a directory (deleted, or replaced by a file or a symlink) is left
+        out: nothing is ever read through a symlink the upper holds."""
         entries: list[dict[str, Any]] = []
         seen: dict[tuple[int, int], str] = {}
         total = 0
-        for rel, full, st in _walk(str(upper)):
+        walk = (((rel, full, st, True) for rel, full, st in _walk(str(upper))) if only is None
+                else _walk_only(str(upper), str(merged or upper), only))
+        for rel, full, st, marks in walk:
             e: dict[str, Any] = {"path": rel, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
                                  "gid": st.st_gid, "mtime_ns": st.st_mtime_ns}
             m = st.st_mode
@@ -107,7 +118,7 @@ class ArchiveWriter:
                 e["type"] = "fifo"
             else:
                 continue  # sockets and devices do not survive a restore
-            xattrs = _xattrs(full)
+            xattrs = _xattrs(full) if marks else {}
             if xattrs:
                 e["xattrs"] = xattrs
             entries.append(e)
@@ -146,6 +157,54 @@ def _walk(top: str) -> Iterator[tuple[str, str, os.stat_result]]:
             if stat.S_ISDIR(st.st_mode):
                 subdirs.append((crel, d.path))
         stack.extend(reversed(subdirs))
+
+
+def _walk_only(upper: str, merged: str, only: Sequence[str]
+               ) -> Iterator[tuple[str, str, os.stat_result, bool]]:
+    """`_walk` of the subtrees `only` of `upper` and the directories above them
+    (see `ArchiveWriter.add_layer`), with whether each entry keeps its xattrs."""
+    rels = sorted({r.strip("/") for r in only})
+    if "" in rels:
+        yield from ((rel, full, st, True) for rel, full, st in _walk(upper))
+        return
+    yield "", upper, os.lstat(upper), False
+    done: set[str] = {""}  # directories above a kept path, already yielded
+    kept: list[str] = []
+    for rel in rels:  # sorted: a path comes before those under it
+        parts = rel.split("/")
+        if any(c in ("", ".", "..") for c in parts):
+            raise LayerArchiveError(f"unsafe path to keep: {rel!r}")
+        if any(rel.startswith(k + "/") for k in kept):
+            continue  # under a path already kept
+        above = []
+        for i in range(1, len(parts)):
+            anc = "/".join(parts[:i])
+            try:
+                st, full = os.lstat(f"{upper}/{anc}"), f"{upper}/{anc}"
+            except FileNotFoundError:
+                try:
+                    st, full = os.lstat(f"{merged}/{anc}"), f"{merged}/{anc}"
+                except FileNotFoundError:
+                    break
+            if not stat.S_ISDIR(st.st_mode):
+                break
+            above.append((anc, full, st))
+        else:
+            try:
+                os.lstat(f"{upper}/{rel}")
+            except FileNotFoundError:
+                continue  # untouched: the layers below have it as it was
+            for anc, full, st in above:
+                if anc not in done:
+                    done.add(anc)
+                    yield anc, full, st, False
+            kept.append(rel)
+            top = f"{upper}/{rel}"
+            if not stat.S_ISDIR(os.lstat(top).st_mode):
+                yield rel, top, os.lstat(top), True
+                continue
+            for sub, full, st in _walk(top):
+                yield (f"{rel}/{sub}" if sub else rel), full, st, True
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -217,6 +217,7 @@ class LocalBox:
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
         self.init_pid = 0
+        self._pidns_ino = 0
         try:
             self._start(layers)
         except BaseException:
@@ -263,7 +264,7 @@ class LocalBox:
 
         ok, why = cgroups.v1_available()
         self._start_init()
-        pidns_ino = os.stat(f"/proc/{self.init_pid}/ns/pid").st_ino
+        self._pidns_ino = pidns_ino = os.stat(f"/proc/{self.init_pid}/ns/pid").st_ino
         if ok:
             self._ctl = cgroups.V1Box(self.id, self.config.limits)
             self.capabilities["limits"] = "cgroup-v1"
@@ -632,9 +633,41 @@ class LocalBox:
     def paused(self) -> bool:
         return self._paused_since is not None
 
-    def export_layers(self, out: layer.ArchiveWriter) -> int:
-        return sum(out.add_layer(m.key, self.dir / "layer" / m.key / "upper")
+    def export_layers(self, out: layer.ArchiveWriter, only: Sequence[str] | None = None) -> int:
+        if only is None:
+            return sum(out.add_layer(m.key, self.dir / "layer" / m.key / "upper")
+                       for m in self.image.mounts)
+        by_key: dict[str, list[str]] = {m.key: [] for m in self.image.mounts}
+        deepest = sorted(self.image.mounts, key=lambda m: -len(m.target))
+        for path in only:
+            inside = next(m for m in deepest if _under(path, m.target))
+            by_key[inside.key].append(path[len(inside.target):].strip("/"))
+            for m in self.image.mounts:  # a mount under a kept path is kept whole
+                if m.target != path and _under(m.target, path):
+                    by_key[m.key].append("")
+        return sum(out.add_layer(m.key, self.dir / "layer" / m.key / "upper", only=by_key[m.key],
+                                 merged=Path(self.mounts[m.target]))
                    for m in self.image.mounts)
+
+    def kill_processes(self) -> int:
+        """SIGKILL every process in the box but its init, frozen between rounds so that
+        nothing forks its way out; returns how many were killed."""
+        assert self._ctl is not None
+        killed = 0
+        for _ in range(200):
+            pids = cgroups.pidns_members(self._pidns_ino, {self.init_pid})
+            if not pids:
+                return killed
+            with contextlib.suppress(OSError, TimeoutError):
+                self._ctl.freeze()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError, TimeoutError):
+                self._ctl.thaw()
+            killed += len(pids)
+            time.sleep(0.005)
+        raise SandboxError("processes in the sandbox kept appearing after 200 rounds of SIGKILL")
 
     def memory_usage(self) -> int | None:
         if isinstance(self._ctl, cgroups.V1Box):
@@ -789,3 +822,8 @@ def _read_all(fd: int, timeout_s: float, n: int | None = None) -> bytes:
 def _decode(buf: bytearray, truncated: bool, limit: int) -> str:
     text = buf.decode("utf-8", errors="replace")
     return text + truncation_marker(limit) if truncated else text
+
+
+def _under(path: str, top: str) -> bool:
+    """Whether sandbox path `path` is `top` or inside it."""
+    return top in ("/", path) or path.startswith(top.rstrip("/") + "/")

@@ -21,6 +21,10 @@ Contract, per method (all paths are sandbox paths, already normalized to absolut
   as overlayfs upper directories (`out.add_layer(key, upper_dir)`): the box is quiescent
   (paused, and no operation running). A backend without overlayfs produces the same
   entries (whiteouts for deletions).
+  With `only` (sandbox paths), just those subtrees and the directories above them
+  (`ArchiveWriter.add_layer`): what a fresh box for the verifier carries over.
+- `Box.kill_processes()`: kill every process in the box but the runtime's own init,
+  so that none survives (a fork bomb included); the box stays usable.
 - `Box.close()`: kill everything, release every resource; idempotent.
 - `Box.capabilities`: what the backend can and cannot do here (for diagnostics and
   snapshots), e.g. {"limits": "cgroup-v1"}.
@@ -70,7 +74,9 @@ class Box(Protocol):
 
     def resume(self) -> None: ...
 
-    def export_layers(self, out: ArchiveWriter) -> int: ...
+    def export_layers(self, out: ArchiveWriter, only: Sequence[str] | None = None) -> int: ...
+
+    def kill_processes(self) -> int: ...
 
     def close(self) -> None: ...
 

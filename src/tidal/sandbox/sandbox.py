@@ -523,6 +523,44 @@ class Sandbox:
                     box.resume()
         return Snapshot(dest, meta)
 
+    # ----------------------------------------------------------------- grading
+
+    def kill_processes(self) -> int:
+        """Kill every process running in the sandbox (commands still running and what
+        they left in the background); the sandbox stays usable. Returns how many."""
+        with self._op() as box:
+            return box.kill_processes()
+
+    def fresh(self, keep: Sequence[str | os.PathLike[str]]) -> Sandbox:
+        """Close this sandbox, every process in it killed first, and return a new one on
+        the same image and config that holds, of everything written here, only `keep`
+        (sandbox paths; their deletions too) and the directories above them. Everything
+        else is as the image has it: what the verifier of a task runs in, so that nothing
+        done to PATH, binaries or system files reaches it. The new sandbox's log starts
+        empty. Raises SandboxError if the sandbox cannot be exported (this one is closed
+        all the same)."""
+        paths = [normalize(p, self.config.workdir) for p in keep]
+        from tidal.sandbox.local import state_root
+
+        d = state_root(self.config) / "snapshots"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = d / f".carry-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}.tmp"
+        try:
+            with self._exclusive_op() as box:
+                box.kill_processes()
+                box.pause()
+                out = ArchiveWriter(tmp)
+                try:
+                    box.export_layers(out, paths)
+                    out.finish({"carried": paths}, [])
+                finally:
+                    out.close()
+            self.close()
+            return type(self)(self.config, runtime=self.runtime).start(_layers=ArchiveReader(tmp))
+        finally:
+            self.close()
+            tmp.unlink(missing_ok=True)
+
     @classmethod
     def restore(cls, snapshot: Snapshot | str | os.PathLike[str], *,
                 runtime: Runtime | None = None, strict: bool = True,
