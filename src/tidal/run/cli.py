@@ -212,7 +212,9 @@ def run_cmd(
     made = not plan.out.exists()
     from tidal.run.loop import RunError, run
     from tidal.run.stop import RunStopped, stop_on_signals
+    from tidal.run.watch import watch_this_process
 
+    watch_this_process()  # what the run starts ends with it, SIGKILL included
     try:
         with stop_on_signals(plan.cfg.stop_grace_s):
             summary = run(plan.cfg, plan.out, resume=resume)

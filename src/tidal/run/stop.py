@@ -14,9 +14,11 @@ with `--resume`), and everything it started is stopped. `tidal run` exits with 1
 (143 for SIGTERM, 130 for SIGINT). Further signals while stopping are ignored: the
 watchdog bounds the stop.
 
-Under SIGKILL nothing runs, so what the run starts must end by itself when it loses its
-parent: sandboxes (bubblewrap's --die-with-parent), trainer ranks (PR_SET_PDEATHSIG) and
-vLLM servers (`tidal.engine.guard`).
+Under SIGKILL nothing runs, so what the run starts must end without it: sandboxes
+(bubblewrap's --die-with-parent), trainer ranks (PR_SET_PDEATHSIG) and vLLM servers
+(`tidal.engine.guard`) end when they lose their parent, and `tidal.run.watch`, started
+first, kills whatever else of the run's process tree is left (a local Ray instance's
+agents).
 """
 
 from __future__ import annotations
