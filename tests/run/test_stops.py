@@ -143,7 +143,8 @@ def test_no_vllm_server_outlives_a_sigkilled_run(tmp_path: Path) -> None:
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         seen |= _tree(proc.pid)
-        if (out / "metrics.jsonl").exists():  # a phase has finished: the server answered
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and metrics.read_text().strip():  # a phase ended: it answered
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be stopped"
