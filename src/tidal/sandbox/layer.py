@@ -190,8 +190,9 @@ def _walk_only(upper: str, merged: str, only: Sequence[str]
                 break
             above.append((anc, full, st))
         else:
+            top = f"{upper}/{rel}"
             try:
-                os.lstat(f"{upper}/{rel}")
+                top_st = os.lstat(top)
             except FileNotFoundError:
                 continue  # untouched: the layers below have it as it was
             for anc, full, st in above:
@@ -199,9 +200,8 @@ def _walk_only(upper: str, merged: str, only: Sequence[str]
                     done.add(anc)
                     yield anc, full, st, False
             kept.append(rel)
-            top = f"{upper}/{rel}"
-            if not stat.S_ISDIR(os.lstat(top).st_mode):
-                yield rel, top, os.lstat(top), True
+            if not stat.S_ISDIR(top_st.st_mode):
+                yield rel, top, top_st, True
                 continue
             for sub, full, st in _walk(top):
                 yield (f"{rel}/{sub}" if sub else rel), full, st, True

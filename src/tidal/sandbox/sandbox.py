@@ -488,12 +488,8 @@ class Sandbox:
                           stacklevel=2)
         with self._exclusive_op() as box:
             if path is None:
-                from tidal.sandbox.local import state_root
-
-                d = state_root(self.config) / "snapshots"
-                d.mkdir(parents=True, exist_ok=True, mode=0o700)
                 self._snap_n += 1
-                dest = d / f"{box.id}-{self._snap_n}.tar"
+                dest = _snapshot_dir(self.config) / f"{box.id}-{self._snap_n}.tar"
             else:
                 dest = Path(path)
             log = self.log
@@ -508,12 +504,7 @@ class Sandbox:
             if not was_paused:
                 box.pause()
             try:
-                out = ArchiveWriter(tmp)
-                try:
-                    box.export_layers(out)
-                    out.finish(meta, [e.to_dict() for e in log], durable=durable)
-                finally:
-                    out.close()
+                _write_archive(box, tmp, meta, [e.to_dict() for e in log], durable=durable)
                 tmp.replace(dest)
             except BaseException:
                 tmp.unlink(missing_ok=True)
@@ -540,25 +531,18 @@ class Sandbox:
         empty. Raises SandboxError if the sandbox cannot be exported (this one is closed
         all the same)."""
         paths = [normalize(p, self.config.workdir) for p in keep]
-        from tidal.sandbox.local import state_root
-
-        d = state_root(self.config) / "snapshots"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = d / f".carry-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}.tmp"
+        tmp = _snapshot_dir(self.config) / (
+            f".carry-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}.tmp")
         try:
-            with self._exclusive_op() as box:
-                box.kill_processes()
-                box.pause()
-                out = ArchiveWriter(tmp)
-                try:
-                    box.export_layers(out, paths)
-                    out.finish({"carried": paths}, [])
-                finally:
-                    out.close()
-            self.close()
+            try:
+                with self._exclusive_op() as box:
+                    box.kill_processes()
+                    box.pause()
+                    _write_archive(box, tmp, {"carried": paths}, [], only=paths)
+            finally:
+                self.close()
             return type(self)(self.config, runtime=self.runtime).start(_layers=ArchiveReader(tmp))
         finally:
-            self.close()
             tmp.unlink(missing_ok=True)
 
     @classmethod
@@ -594,3 +578,24 @@ class Sandbox:
         state = "closed" if self._closed else "paused" if self._paused else (
             "running" if self._box is not None else "new")
         return f"Sandbox(image={self.config.image or 'default'!r}, {state})"
+
+
+def _snapshot_dir(config: SandboxConfig) -> Path:
+    """Where snapshot files go when no path is given (and the verifier's carry files)."""
+    from tidal.sandbox.local import state_root
+
+    d = state_root(config) / "snapshots"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+def _write_archive(box: Box, path: Path, meta: Mapping[str, Any],
+                   log: Sequence[Mapping[str, Any]], *, only: Sequence[str] | None = None,
+                   durable: bool = False) -> None:
+    """A snapshot file of the (quiescent) box's writable layers, or of `only` those paths."""
+    out = ArchiveWriter(path)
+    try:
+        box.export_layers(out, only)
+        out.finish(meta, log, durable=durable)
+    finally:
+        out.close()
