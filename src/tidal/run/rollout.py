@@ -318,19 +318,25 @@ class Rollouts:
     ) -> list[Episode]:
         """Run (task, session id) jobs on `workers` threads; results in job order. When
         an episode was preempted (`Preempted`), every other one ends first, then
-        `Preempted` is raised."""
+        `Preempted` is raised. Any other exception here (a stop: `RunStopped`) starts no
+        job that has not started; the running ones end before it propagates."""
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout") as pool:
             futures = [pool.submit(self.one, task, sid, hooks=hooks) for task, sid in jobs]
             episodes, preempted = [], None
-            for f in futures:
-                try:  # every episode of a preempted group stops before the group does
-                    ep = f.result()
-                except Preempted as e:
-                    preempted = e
-                    continue
-                if on_done is not None:
-                    on_done(ep)
-                episodes.append(ep)
+            try:
+                for f in futures:
+                    try:  # every episode of a preempted group stops before the group does
+                        ep = f.result()
+                    except Preempted as e:
+                        preempted = e
+                        continue
+                    if on_done is not None:
+                        on_done(ep)
+                    episodes.append(ep)
+            except BaseException:
+                for f in futures:
+                    f.cancel()  # only those not started
+                raise
         if preempted is not None:
             raise preempted
         return episodes

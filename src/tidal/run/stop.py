@@ -93,9 +93,11 @@ def kill_tree(pid: int, *, timeout_s: float = 5.0) -> None:
 
 def _watchdog(grace_s: float, signum: int) -> None:
     time.sleep(grace_s)
-    sys.stderr.write(f"tidal run: not stopped {grace_s:g} s after "
-                     f"{signal.Signals(signum).name}: killing what it started\n")
-    sys.stderr.flush()
+    # a closed stderr (its reader gone: a pipe to a parent that died) must not stop the kill
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"tidal run: not stopped {grace_s:g} s after "
+                         f"{signal.Signals(signum).name}: killing what it started\n")
+        sys.stderr.flush()
     kill_tree(os.getpid())
     os._exit(128 + signum)
 
