@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from run import generated, matmul_gflops, run_seed  # bench/run.py (the script's directory)
+from run import matmul_gflops, run_seed  # bench/run.py (the script's directory)
 from tidal.run.config import RunConfig, dump_config, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,12 +60,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     rows = [json.loads(line) for line in
             (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("phase") == "rl"]
-    keys = ("phase_minutes", "minutes", "rollout_tokens_per_s", "success_rate_start",
-            "success_rate_end", "sessions", "verify_ok", "drift_tokens")
+    keys = ("phase_minutes", "minutes", "rollout_tokens_per_s", "generated_tokens_per_s",
+            "success_rate_start", "success_rate_end", "sessions", "verify_ok", "drift_tokens")
     return {**{k: run[k] for k in keys},
-            # every token the engine sampled in the step's rollout time, the re-rolled groups
-            # of dynamic sampling included (`rollout_tokens_per_s` counts the batch's only)
-            "generated_tokens_per_s": [round(generated(r) / r["rollout_s"], 1) for r in rl],
             "weight_sync_s": [round(r["weight_sync_s"], 2) for r in rl],
             # role switches (a vLLM server put to sleep while its device trains, woken after)
             "switch_s": [round(sum(r["switch_s"]), 1) for r in rl]}
