@@ -91,6 +91,16 @@ def tidal_run_command(cfg: RunConfig, tmp_path: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "tidal.cli", "run", str(conf), "--out", str(out)]
 
 
+def has_snapshot(live: Path) -> bool:
+    """Whether a live episode's sandbox snapshot is on disk under `live`. The run removes
+    an episode's folder when the episode ends, so a folder listed may be gone by the
+    time it is read."""
+    try:
+        return any(live.glob("*/*.tar"))
+    except FileNotFoundError:
+        return False
+
+
 def run_and_kill_mid_step(cfg: RunConfig, tmp_path: Path, out: Path) -> list[str]:
     """`tidal run` of `cfg` in a process of its own, SIGKILLed once a step is
     checkpointed and a live episode of a later step has a sandbox snapshot. Returns the
@@ -102,7 +112,7 @@ def run_and_kill_mid_step(cfg: RunConfig, tmp_path: Path, out: Path) -> list[str
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         if (state.exists() and json.loads(state.read_text())["step"] >= 1
-                and list((out / "live").glob("*/*.tar"))):
+                and has_snapshot(out / "live")):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"

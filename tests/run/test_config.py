@@ -41,6 +41,10 @@ def test_default_round_trips_through_toml(tmp_path: Path) -> None:
         ("[rl]\nnumerics = 'exact'\n", r"rl\.numerics"),
         ("[rl]\nnumerics = 'consistent'\n[rollout]\ntemperature = 0.7\n",
          "needs rollout.temperature = 1.0"),
+        ("[schedule]\nbackend = 'ray'\n[engine]\nkind = 'vllm'\n",
+         r"schedule\.backend = \"ray\" runs the embedded engine on every host"),
+        ("[schedule]\nbackend = 'slurm'\n", r"schedule\.backend 'slurm' is neither a "
+         r"built-in \(local, ray\)"),
     ],
 )
 def test_bad_config_is_refused_with_the_field(tmp_path: Path, text: str, message: str) -> None:

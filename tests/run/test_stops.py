@@ -21,7 +21,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.run.loop_runs import live_at_stop, resume_to_the_end, small_config, tidal_run_command
+from tests.run.loop_runs import (
+    has_snapshot,
+    live_at_stop,
+    resume_to_the_end,
+    small_config,
+    tidal_run_command,
+)
 from tidal.run.config import parse_config
 
 GRACE_S = 30.0
@@ -51,7 +57,7 @@ def _start_and_wait_mid_step(tmp_path: Path, out: Path, **train: object
     while time.time() < deadline and proc.poll() is None:
         seen |= _tree(proc.pid)
         if (state.exists() and json.loads(state.read_text())["step"] >= 1
-                and list((out / "live").glob("*/*.tar"))):
+                and has_snapshot(out / "live")):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be stopped"

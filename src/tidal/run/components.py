@@ -14,8 +14,8 @@ editing it:
   a context manager yielding a `ToolRuntime`;
 - engine (`engine.kind`): embedded, vllm (servers started or attached); module:attr is
   fn(weights_dir, **options) -> Engine;
-- scheduler backend (`schedule.backend`): local; module:attr is fn(devices, slots) ->
-  Backend;
+- scheduler backend (`schedule.backend`): local, ray (rollout devices on a Ray
+  cluster: `tidal.run.hosts`); module:attr is fn(devices, slots) -> Backend;
 - trainer (`[train]`): one process, or FSDP2 ranks launched here, on Ray, or by
   torchrun (`make_trainer`).
 
@@ -142,6 +142,16 @@ def select_tasks(cfg: TasksConfig, seed: int) -> Tasks:
 
 
 # --------------------------------------------------------------------------- harness
+
+
+def agent_config(cfg: RunConfig) -> AgentConfig:
+    """The built-in harness's settings, from `[rollout]` and `tasks.time_limit_s`."""
+    from tidal.agent.harness import AgentConfig
+
+    r = cfg.rollout
+    return AgentConfig(max_turns=r.max_turns, time_limit_s=cfg.tasks.time_limit_s,
+                       context_budget_tokens=r.context_budget, max_tokens=r.max_tokens,
+                       temperature=r.temperature, tools=r.tools)
 
 
 def make_harness(cfg: RunConfig, agent_cfg: AgentConfig) -> Harness:
@@ -313,10 +323,12 @@ def make_scheduler(cfg: RunConfig, *, mean_group_s: float = 10.0,
     from tidal.schedule.types import MIGRATE_S, PoolConfig
 
     s = cfg.schedule
-    if s.backend == "local" and s.policy == "colocated":
+    # on a Ray cluster the scheduler runs here too: its devices are the hosts
+    # (`tidal.run.hosts`), each group handed to one from a thread of this process
+    if s.backend in ("local", "ray") and s.policy == "colocated":
         return Colocated(s.devices, s.groups_per_device, cfg.rollout.tasks_per_step,
                          max_staleness=cfg.rl.max_staleness, on_switch=on_switch)
-    if s.backend == "local":
+    if s.backend in ("local", "ray"):
         backend: Backend = LocalBackend(s.devices, s.groups_per_device, mode="thread",
                                         on_switch=on_switch,
                                         migrator=migrator if s.migration else None)

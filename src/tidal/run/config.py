@@ -240,7 +240,12 @@ class ScheduleConfig(_Section):
         "elastic", description="how devices share rollout and training (docs/scheduler.md)"
     )
     backend: str = Field("local", description="where rollouts run: local (threads in this "
-                         "process) or module:attr (a factory(devices, slots) -> Backend)")
+                         "process), ray (rollout devices as actors on a Ray cluster's nodes, "
+                         "docs/scale.md) or module:attr (a factory(devices, slots) -> Backend)")
+    ray_address: str = Field("auto", description="backend = \"ray\": the cluster to join "
+                             "(auto: the one this machine belongs to, or ray://HOST:10001)")
+    ray_resource: str = Field("GPU", description="backend = \"ray\": the resource one rollout "
+                              "device takes ({name: 1}); a custom one stands in for GPUs")
     devices: int = Field(2, ge=1, description="devices (CPU slots here): each rolls out or trains")
     groups_per_device: int = Field(
         1, ge=1, description="task groups one rollout device runs at once"
@@ -433,6 +438,10 @@ class RunConfig(_Section):
                 "schedule.migration = true moves live task groups between the local "
                 "backend's devices under the elastic policy: set schedule.policy = "
                 "\"elastic\" and schedule.backend = \"local\" (or migration = false)")
+        if self.schedule.backend == "ray" and self.engine.kind != "embedded":
+            raise ValueError(
+                f"schedule.backend = \"ray\" runs the embedded engine on every host: "
+                f"engine.kind = {self.engine.kind!r} is not wired there yet (docs/scale.md)")
         self._train_layout()
         return self
 

@@ -17,6 +17,7 @@ import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from tidal.agent.command import CommandHarness
 from tidal.agent.preempt import LiveEpisodes, Preempted, abandoned_calls
@@ -80,6 +81,18 @@ class _GroupHooks:
 
     def done(self, episode: Episode) -> None:
         self.live.done(self.key, episode.session_id, asdict(episode))
+
+
+class GroupRunner(Protocol):
+    """Where the RL loop's task groups run (`tidal.run.queue.RolloutQueue`): in this
+    process (`LiveRollouts`), or on a Ray cluster's rollout devices
+    (`tidal.run.hosts.ClusterRollouts`). Every call and outcome of the group is in the
+    run's ledger when `group` returns."""
+
+    def group(self, jobs: Sequence[tuple[Task, str]], *, base_version: int,
+              resume: str | None = None) -> RolloutResult:
+        """Run a task group's episodes (`resume`: continue the live group of that key)."""
+        ...
 
 
 @dataclass(frozen=True)

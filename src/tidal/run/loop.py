@@ -40,19 +40,18 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidal.agent.episode import Harness
-from tidal.agent.harness import AgentConfig
-from tidal.agent.preempt import LiveEpisodes, LiveGroup, SnapshotPolicy
+from tidal.agent.preempt import LiveEpisodes, LiveGroup
 from tidal.agent.tasks import Demonstration, Task, TaskError, taught
 from tidal.engine.base import Engine
 from tidal.engine.tiny import ensure_tiny, load_tokenizer, resolve_model
-from tidal.gateway.access import SessionKeys
 from tidal.gateway.server import GatewayServer
 from tidal.gateway.verify import verify_store
 from tidal.ledger import LedgerStore, SessionMeta
 from tidal.run import components
 from tidal.run.checkpoint import RunState, find_checkpoint, load_state, save_checkpoint
+from tidal.run.cluster import ClusterError
 from tidal.run.config import RunConfig, dump_config
-from tidal.run.live import LiveRollouts, RolloutMigrator
+from tidal.run.live import GroupRunner, LiveRollouts, RolloutMigrator
 from tidal.run.loggers import LoggerError, LogStart
 from tidal.run.names import ComponentError, is_attr, load_attr
 from tidal.run.progress import RunLog
@@ -61,11 +60,9 @@ from tidal.run.rollout import (
     Episode,
     Rollouts,
     new_session_id,
-    seed_key,
 )
+from tidal.run.stack import build_stack
 from tidal.run.stop import deferred
-from tidal.sandbox import SandboxConfig
-from tidal.sandbox.types import Bind
 from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
 from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
@@ -103,6 +100,7 @@ class Parts:
     heldout: list[Task]
     rollouts: Rollouts
     live: LiveRollouts  # RL's task groups, saved as they run (preemption)
+    groups: GroupRunner  # where RL's task groups run: `live` here, or hosts on a Ray cluster
     evals: Rollouts
     trainer: TrainerGroup
     log: RunLog
@@ -129,6 +127,25 @@ class Parts:
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
         return time.perf_counter() - t0
+
+    def train(self, trees: list[TrainTree], step: int) -> dict[str, float]:
+        """The trainer's step on `trees`. Trainer ranks that were Ray actors (`train.nodes
+        > 1`) and were lost with their node: the step runs again from the last checkpoint
+        on the ranks left (`TrainerGroup.shrunk`), and a `trainer_lost` row says so."""
+        if not trees:
+            return {}
+        try:
+            return self.trainer.step(trees).as_dict()
+        except TrainerRankError as e:
+            if self.trainer.launch != "ray":
+                raise
+            t0, before = time.perf_counter(), self.trainer.world_size
+            self.trainer = self.trainer.shrunk(find_checkpoint(self.run_dir))
+            self.log.metrics({"phase": "trainer_lost", "step": step, "error": str(e)[:300],
+                              "world_size_before": before,
+                              "world_size": self.trainer.world_size,
+                              "restart_s": round(time.perf_counter() - t0, 2)})
+            return self.trainer.step(trees).as_dict()
 
     def ledger_rows_read(self) -> int:
         """Call and outcome rows read back from the ledger since the last call (the
@@ -176,13 +193,6 @@ class Parts:
         self.trainer.close()
 
 
-def _agent_config(cfg: RunConfig) -> AgentConfig:
-    r = cfg.rollout
-    return AgentConfig(max_turns=r.max_turns, time_limit_s=cfg.tasks.time_limit_s,
-                       context_budget_tokens=r.context_budget, max_tokens=r.max_tokens,
-                       temperature=r.temperature, tools=r.tools)
-
-
 @dataclass(frozen=True)
 class Resolved:
     """Every component a config names, resolved (nothing heavy loaded yet)."""
@@ -198,7 +208,7 @@ def resolve(cfg: RunConfig) -> Resolved:
     """Every component by name (`tidal.run.components`), checked before anything starts:
     the tasks, the harnesses, the sandbox runtime, the scheduler backend, the engine and
     the trainer's layout. A bad name or an impossible layout is a `RunError` naming it."""
-    agent_cfg = _agent_config(cfg)
+    agent_cfg = components.agent_config(cfg)
     try:
         tasks = components.select_tasks(cfg.tasks, cfg.seed)
         harness = components.make_harness(cfg, agent_cfg)
@@ -213,7 +223,11 @@ def resolve(cfg: RunConfig) -> Resolved:
         base_dir = (ensure_tiny(seed=cfg.model.seed) if cfg.model.name == "tiny"
                     else resolve_model(cfg.model.name))
         components.check_trainer(cfg, base_dir, device=components.resolve_device(cfg.model.device))
-    except (TaskError, ComponentError) as e:
+        if cfg.schedule.backend == "ray":  # the cluster has room and every node the model
+            from tidal.run.cluster import check_run
+
+            check_run(cfg, base_dir)
+    except (TaskError, ComponentError, ClusterError) as e:
         raise RunError(str(e)) from e
     return Resolved(tasks, harness, eval_harness, new_runtime, base_dir)
 
@@ -278,32 +292,28 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
     except ComponentError as e:
         raise RunError(str(e)) from e
     store = LedgerStore(run_dir / "ledger.db")
-    # every request seeded from (run seed, session, call): `tidal.gateway.core.call_seed`
-    # each episode's harness gets a key of its own, good for its own sessions only
-    keys = SessionKeys()
-    gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
-                            lenient_tool_parsing=not cfg.engine.tool_parser_strict,
-                            seed=cfg.seed, seed_key=seed_key, access=keys)
-    # live task groups saved as they run, so a killed run resumes their episodes
-    live = LiveEpisodes(run_dir / "live", store, gateway.gateway,
-                        SnapshotPolicy(cfg.rollout.snapshot_every, cfg.rollout.snapshot_every_s))
-    gateway.gateway.on_record.append(live.note_call)
-    gateway.gateway.on_forget.append(engine.forget)  # a server pool drops the session's pin
-    url = gateway.start()
-    outside = cfg.agent.harness == "builtin"  # harnesses inside the sandbox reach the gateway
-    sandbox = SandboxConfig(allow_ports=() if outside else (gateway.port,),
-                            binds=tuple(Bind.parse(m) for m in cfg.agent.mounts))
-    rollouts = Rollouts(
-        url, model_name, harness, new_runtime, store, sandbox=sandbox,
-        environments=environments, default_time_limit_s=cfg.tasks.time_limit_s,
-        time_limit_s=cfg.agent.timeout_sec or None, log_dir=run_dir / "harness",
-        forget=gateway.gateway.forget_session, keys=keys,
-    )
-    evals = replace(rollouts, harness=eval_harness)
-    return Parts(cfg, run_dir, tokenizer, engine, store, gateway,
-                 list(tasks.train), list(tasks.heldout), rollouts,
-                 LiveRollouts(rollouts, live, keep=True), evals, trainer,
-                 log, t_start, state.elapsed_s)
+    stack = build_stack(cfg, engine=engine, tokenizer=tokenizer, store=store, run_dir=run_dir,
+                        harness=harness, eval_harness=eval_harness, new_runtime=new_runtime,
+                        environments=environments, model_name=model_name)
+    groups: GroupRunner = stack.live
+    if cfg.schedule.backend == "ray":  # rollout devices on the cluster's nodes
+        from tidal.run.hosts import ClusterEngine, ClusterRollouts, HostSpec
+
+        spec = HostSpec(cfg, str(run_dir.resolve()), str(weights_dir.resolve()),
+                        str(base_dir.resolve()), model_name, state.policy_version, device=0)
+        try:
+            cluster = ClusterRollouts.start(cfg, store, spec)
+        except BaseException as e:
+            stack.close()
+            engine.close()
+            trainer.close()
+            if isinstance(e, ClusterError):
+                raise RunError(str(e)) from e
+            raise
+        engine, groups = ClusterEngine(engine, cluster), cluster
+    return Parts(cfg, run_dir, tokenizer, engine, store, stack.gateway,
+                 list(tasks.train), list(tasks.heldout), stack.rollouts, stack.live, groups,
+                 stack.evals, trainer, log, t_start, state.elapsed_s)
 
 
 # --------------------------------------------------------------------------- the recipe
@@ -439,7 +449,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             sessions = batch.sessions
             t1 = time.perf_counter()
             trees = batch_trees(parts, batch)
-            metrics = parts.trainer.step(trees).as_dict() if trees else {}
+            metrics = parts.train(trees, state.step + 1)
             t_train = time.perf_counter() - t1
             state = state.advance(**_stepped(state, batch))
             sync_s = parts.sync_engine(state.policy_version)
@@ -497,7 +507,8 @@ def rollout_queue(parts: Parts, state: RunState) -> tuple[RolloutQueue, list[Liv
     draws = TaskDraws(pool, seed=cfg.seed, batch=cfg.rollout.tasks_per_step,
                       sampling=cfg.rollout.task_sampling)
     queue = RolloutQueue(
-        sched, parts.live, draws, steps=cfg.rl.steps - state.step, first_step=state.step,
+        sched, parts.groups, parts.live.episodes, parts.store, draws,
+        steps=cfg.rl.steps - state.step, first_step=state.step,
         tasks_per_step=cfg.rollout.tasks_per_step, group_size=cfg.rollout.group_size,
         max_staleness=cfg.rl.max_staleness, base_version=state.policy_version,
         trained=set(state.trained_sessions) | set(state.dropped_sessions), carry=carry,
@@ -571,6 +582,14 @@ def _family_rates(episodes: list[Episode], tasks: list[Task]) -> dict[str, float
 def _tool_calls(episodes: list[Episode]) -> float:
     """Tool calls per episode (its subagents' included)."""
     return sum(e.tool_calls for e in episodes) / max(len(episodes), 1)
+
+
+def _per_node(episodes: Sequence[Episode]) -> dict[str, int]:
+    """Sessions per Ray node (the first 8 characters of its id) that ran them."""
+    out: dict[str, int] = {}
+    for e in episodes:
+        out[e.node[:8]] = out.get(e.node[:8], 0) + len(e.session_ids)
+    return out
 
 
 def _grader_errors(episodes: list[Episode]) -> int:
@@ -660,6 +679,7 @@ def _step_row(
         # calls whose text looked like a tool call no parser accepted (docs/gateway.md)
         "tool_parse_failures": sum(e.tool_parse_failures for e in eps),
         "tool_calls_per_episode": _tool_calls(eps),
+        **({"sessions_per_node": _per_node(eps)} if any(e.node for e in eps) else {}),
         "staleness": [grp.staleness for grp in groups],
         # groups rolled again on a fresh task since the last row: their samples all
         # scored alike (rollout.dynamic_sampling)

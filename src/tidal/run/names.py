@@ -22,7 +22,7 @@ BUILTINS: dict[str, tuple[str, ...]] = {
     "agent.harness": ("builtin", "command"),
     "rollout.sandbox": ("bwrap", "local"),
     "engine.kind": ("embedded", "vllm"),
-    "schedule.backend": ("local",),
+    "schedule.backend": ("local", "ray"),
 }
 _ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from tidal.agent.preempt import LiveGroup
+from tidal.agent.preempt import LiveEpisodes, LiveGroup
 from tidal.agent.tasks import Task
 from tidal.ledger import LedgerStore, Outcome, SessionMeta, Status
-from tidal.run.live import LiveRollouts
+from tidal.run.live import GroupRunner
 from tidal.run.progress import RunLog
 from tidal.run.rollout import Episode, new_session_id, seed_key
 from tidal.schedule.backend import RolloutResult, Work
@@ -139,16 +139,16 @@ class RolloutQueue:
     batches, and call `trained` once a batch's step is checkpointed and `refill` once
     the step is over."""
 
-    def __init__(self, sched: RolloutScheduler, rollouts: LiveRollouts, draws: TaskDraws, *,
+    def __init__(self, sched: RolloutScheduler, groups: GroupRunner, live: LiveEpisodes,
+                 store: LedgerStore, draws: TaskDraws, *,
                  steps: int, first_step: int, tasks_per_step: int, group_size: int,
                  max_staleness: int, base_version: int, trained: set[str],
                  carry: Sequence[str], tasks: Sequence[Task], log: RunLog,
                  resample: int = 0,
                  train_reward: Callable[[float], float] = float) -> None:
         self._sched, self._draws = sched, draws
-        self._store = rollouts.rollouts.store
-        self._live = rollouts.episodes
-        self._roll = partial(rollouts.group, base_version=base_version)
+        self._store, self._live = store, live
+        self._roll = partial(groups.group, base_version=base_version)
         self._b, self._g, self._k = tasks_per_step, group_size, max_staleness
         self._origin = first_step  # the step this attempt starts from
         self._step, self._steps = first_step, steps

@@ -72,6 +72,7 @@ class Episode:
     oldest_version: int | None = None  # policy version of its oldest sampled token
     first_call_at: float | None = None  # its first call's start (time.time())
     last_call_at: float | None = None  # its last call's end
+    node: str = ""  # the Ray node it ran on (`schedule.backend = "ray"`), else ""
 
 
 def sampled_figures(calls: Sequence[Call]) -> dict[str, Any]:

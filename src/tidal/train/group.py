@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -298,6 +298,25 @@ class TrainerGroup:
             self.close()
             raise
         return self
+
+    def shrunk(self, checkpoint: Path | None) -> TrainerGroup:
+        """After ranks were lost (their node died): this group closed, and a group of the
+        ranks left started from `checkpoint` (a run checkpoint: its weights and its
+        sharded training state, which load at any world size), or from where this group
+        started when there is none yet. Ray ranks only: a lost rank's bundle is placed
+        again only when the cluster has room, so the group goes on without it."""
+        if self.launch != "ray":
+            raise ValueError("only Ray trainer ranks (train.nodes > 1) shrink")
+        left = self.world_size - max(len(self._dead()), 1)
+        spec = self.spec
+        if checkpoint is not None:
+            state = checkpoint / TRAIN_STATE
+            spec = replace(spec, weights_dir=str(checkpoint.resolve()),
+                           state_dir=str(state.resolve()) if state.exists() else None)
+        spec = replace(spec, world_size=left, nodes=min(spec.nodes, left))
+        self.close()
+        return TrainerGroup(spec, launch="ray" if left > 1 else "processes",
+                            log_dir=self.log_dir).start()
 
     def _dead(self) -> list[_Worker]:
         return [w for w in self.workers if not w.alive()]
