@@ -23,19 +23,25 @@ About 1-2 minutes a run on a 2-core machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.run.clusters import hosts_running, start_cluster, stop_cluster
-from tests.run.loop_runs import small_config
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tests.run.clusters, tests.run.loop_runs
 
-from tidal.run.config import parse_config
-from tidal.run.loop import run
+from tests.run.clusters import hosts_running, start_cluster, stop_cluster  # noqa: E402
+from tests.run.loop_runs import small_config  # noqa: E402
+
+from tidal.run.config import parse_config  # noqa: E402
+from tidal.run.loop import run  # noqa: E402
 
 
 def config(backend: str, steps: int) -> dict[str, Any]:
@@ -43,7 +49,7 @@ def config(backend: str, steps: int) -> dict[str, Any]:
         tasks={"name": "digits", "train_size": 8, "heldout_size": 2},
         rollout={"context_budget": 4096, "group_size": 4, "tasks_per_step": 2,
                  "snapshot_every": 1},
-        warmstart={"steps": 10}, rl={"steps": steps},
+        warmstart={"steps": 40}, rl={"steps": steps},  # enough to earn some reward: steps train
         schedule={"backend": backend, "ray_resource": "tidal_gpu", "devices": 2,
                   "policy": "colocated"})
     return cfg
@@ -113,9 +119,10 @@ def main() -> None:
     args = ap.parse_args()
     cluster, _workers = start_cluster(workers=2)
     try:
-        runs = [one(b, args.steps, args.out / f"{b}-{i}")
-                for i in range(args.pairs) for b in ("local", "ray")]
-        loss = node_loss(cluster, args.steps, args.out / "ray-node-loss")
+        with contextlib.redirect_stdout(sys.stderr):  # progress; stdout is the JSON
+            runs = [one(b, args.steps, args.out / f"{b}-{i}")
+                    for i in range(args.pairs) for b in ("local", "ray")]
+            loss = node_loss(cluster, args.steps, args.out / "ray-node-loss")
     finally:
         stop_cluster(cluster)
     mean = {b: round(statistics.mean(r["step_s"] for r in runs if r["backend"] == b), 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def test_a_tb2_task_directory_reads_with_every_field(tmp_path: Path) -> None:
     assert env is not None and env.dockerfile == d / "environment" / "Dockerfile"
     assert env.docker_image == "alexgshaw/hello-world:20251031"
     assert (env.memory_mb, env.storage_mb, env.cpus) == (2048, 10240, 1.0)  # "2G", "10G"
-    assert env.allow_internet and env.workdir is None  # Harbor's default; the Dockerfile's
+    assert env.network_mode == "public" and env.workdir is None  # Harbor's defaults
     assert task.oracle is not None and task.oracle.directory == d / "solution"
     assert task.metadata["metadata"]["expert_time_estimate_min"] == 1.0
 
@@ -57,7 +58,8 @@ def test_the_newer_task_table_and_env_fields_read(tmp_path: Path) -> None:
     assert task.oracle is not None and task.oracle.env == {"MODE": "oracle"}
     assert task.environment is not None
     assert (task.environment.workdir, task.environment.memory_mb) == ("/srv", 512)
-    assert task.environment.env == {"LANGUAGE": "en"} and not task.environment.allow_internet
+    assert task.environment.env == {"LANGUAGE": "en"}
+    assert task.environment.network_mode == "no-network"  # allow_internet = false
     assert task.time_limit_s == 600.0  # Harbor's default agent timeout
 
 
@@ -86,6 +88,17 @@ def test_the_newer_task_table_and_env_fields_read(tmp_path: Path) -> None:
          "[verifier].carry_paths must be a list of absolute paths"),
         ({"toml": "[verifier]\nenvironment_mode = \"shared\"\ncarry_paths = [\"/app\"]\n"},
          "task.toml", "carry_paths means nothing with environment_mode = \"shared\""),
+        ({"toml": "[environment]\nnetwork_mode = \"wifi\"\n"}, "task.toml",
+         "network_mode must be one of no-network, public, allowlist"),
+        ({"toml": "[environment]\nallowed_hosts = [\"pypi.org\"]\n"}, "task.toml",
+         "allowed_hosts is only valid with network_mode = \"allowlist\""),
+        ({"toml": "[verifier]\nreward_key = 3\n"}, "task.toml",
+         "[verifier].reward_key must name a key of reward.json"),
+        ({"toml": "[verifier.environment]\ndocker_image = \"grader:1\"\n"}, "task.toml",
+         "[verifier.environment], a verifier environment of its own, is not supported yet"),
+        # Harbor's multi-step layout is named, not reported as a missing instruction.md
+        ({"toml": "[[steps]]\nname = \"one\"\n[[steps]]\nname = \"two\"\n",
+          "instruction": None}, "task.toml", "a multi-step task ([[steps]], steps/)"),
     ],
 )
 def test_a_malformed_task_is_refused_naming_the_task_and_the_file(
@@ -97,6 +110,38 @@ def test_a_malformed_task_is_refused_naming_the_task_and_the_file(
     assert (e.value.task, e.value.file) == ("broken-1", file)
     assert problem in e.value.problem, e.value.problem
     assert str(e.value).startswith(f"task 'broken-1': {file}: ")
+
+
+def test_a_separate_verifier_image_is_refused_by_name(tmp_path: Path) -> None:
+    d = write_task(tmp_path, "sep", toml='[verifier]\nenvironment_mode = "separate"\n')
+    (d / "tests" / "Dockerfile").write_text("FROM tidal/default\n")
+    with pytest.raises(HarborTaskError, match=r"'sep': tests/Dockerfile: a verifier "
+                       r"environment of its own is not supported yet"):
+        load_task(d)
+    # Harbor builds tests/Dockerfile only for a separate verifier: elsewhere it is inert
+    (d / "task.toml").write_text('[verifier]\nenvironment_mode = "shared"\n')
+    assert load_task(d).verifier_carry is None
+
+
+def test_a_steps_directory_is_a_multi_step_task(tmp_path: Path) -> None:
+    d = write_task(tmp_path, "multi")
+    (d / "steps" / "one").mkdir(parents=True)
+    with pytest.raises(HarborTaskError, match=r"'multi': task.toml: a multi-step task"):
+        load_task(d)
+
+
+@pytest.mark.parametrize(("environment", "mode", "hosts"), [
+    ("", "public", ()),  # Harbor's default
+    ("allow_internet = false", "no-network", ()),
+    ("allow_internet = true", "public", ()),
+    ('network_mode = "no-network"\nallow_internet = true', "no-network", ()),  # the newer key
+    ('network_mode = "allowlist"\nallowed_hosts = ["pypi.org", "*.debian.org"]', "allowlist",
+     ("pypi.org", "*.debian.org"))])
+def test_the_network_policy_is_read_as_harbor_reads_it(
+        tmp_path: Path, environment: str, mode: str, hosts: tuple[str, ...]) -> None:
+    task = load_task(write_task(tmp_path, "net", toml=f"[environment]\n{environment}\n"))
+    assert task.environment is not None
+    assert (task.environment.network_mode, task.environment.allowed_hosts) == (mode, hosts)
 
 
 @pytest.mark.parametrize(("verifier", "carry"), [
@@ -136,39 +181,57 @@ def test_a_directory_of_tasks_loads_by_name_and_an_empty_one_is_refused(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("txt", "js", "reward", "numbers"),
+    ("txt", "js", "key", "expected"),
     [
-        ("0.5\n", None, 0.5, {"reward": 0.5}),
-        ("1", '{"reward": 0.0}', 1.0, {"reward": 1.0}),  # reward.txt first, as Harbor
-        (None, '{"reward": 0.25, "tests_passed": 3}', 0.25, {"reward": 0.25, "tests_passed": 3}),
-        (None, '{"accuracy": 0.75, "note": "x"}', 0.75, {"accuracy": 0.75}),
+        ("0.5\n", None, None, (0.5, {"reward": 0.5}, "reward.txt")),
+        ("1", '{"reward": 0.0}', None,
+         (0.0, {"reward": 0.0}, "reward.json: reward")),  # reward.json first, as Harbor
+        (None, '{"reward": 0.25, "tests_passed": 3}', None,
+         (0.25, {"reward": 0.25, "tests_passed": 3}, "reward.json: reward")),
+        (None, '{"accuracy": 0.75}', None, (0.75, {"accuracy": 0.75}, "reward.json: accuracy")),
+        (None, "0.5", None, (0.5, {"reward": 0.5}, "reward.json: reward")),  # a bare number
+        (None, '{"a": 1, "b": 0, "c": 0.5}', None, (0.5, {"a": 1, "b": 0, "c": 0.5},
+         "reward.json: the mean of 3 numbers")),  # kept whole, not refused
+        (None, '{"a": 1, "b": 0.25}', "b", (0.25, {"a": 1, "b": 0.25}, "reward.json: b")),
+        (None, '{"passed": true, "score": 0}', None, (0.5, {"passed": 1.0, "score": 0.0},
+         "reward.json: the mean of 2 numbers")),  # a bool is a number, as Harbor reads it
     ],
 )
-def test_rewards_are_read_from_reward_txt_then_reward_json(
-    txt: str | None, js: str | None, reward: float, numbers: dict[str, float]
+def test_rewards_are_read_from_reward_json_then_reward_txt(
+    txt: str | None, js: str | None, key: str | None,
+    expected: tuple[float, dict[str, float], str],
 ) -> None:
-    assert read_reward(txt, js) == (reward, numbers)
+    assert read_reward(txt, js, reward_key=key) == expected
 
 
 @pytest.mark.parametrize(
     ("txt", "js", "message"),
     [
         (None, None, "wrote no reward"),
-        ("", None, "not a number"),
+        ("", None, "reward.txt is empty"),
+        ("high", None, "not a number"),
         ("nan", None, "not a finite number"),
         ("inf\n", None, "not a finite number"),
-        (None, "[1]", "object of numbers"),
+        (None, "", "reward.json is empty"),
+        (None, "[1]", "'reward' is [1], not a number"),
         (None, "{bad", "not JSON"),
-        (None, '{"a": 1, "b": 2}', "no 'reward' key"),
         (None, '{"reward": "high"}', "not a number"),
+        (None, '{"accuracy": 0.5, "note": "x"}', "'note' is 'x', not a number"),  # as Harbor
         (None, '{"reward": NaN}', "not a finite number"),
-        (None, "{}", "0 numbers"),
+        (None, "{}", "holds no numbers"),
+        ("1", "{bad", "not JSON"),  # a broken reward.json is not passed over for reward.txt
     ],
 )
 def test_an_unusable_reward_is_a_clear_error(txt: str | None, js: str | None,
                                              message: str) -> None:
-    with pytest.raises(RewardError, match=message):
+    with pytest.raises(RewardError, match=re.escape(message)):
         read_reward(txt, js)
+
+
+def test_a_reward_key_the_json_lacks_is_a_clear_error() -> None:
+    with pytest.raises(RewardError, match=r"no 'score' \(\[verifier\] reward_key\), only "
+                       r"\['a', 'b'\]"):
+        read_reward(None, '{"a": 1, "b": 2}', reward_key="score")
 
 
 # --------------------------------------------------------------------------- grading
@@ -223,6 +286,17 @@ def test_what_test_sh_leaves_decides_the_grade(
     else:
         assert g.error is not None and error in g.error and g.reward == 0.0
         assert not g.success and math.isfinite(g.reward)
+
+
+def test_test_sh_runs_by_its_shebang(tmp_path: Path, app: ToolRuntime) -> None:
+    # as Harbor runs it (made executable, then run): a Python test.sh is not fed to bash
+    script = ("#!/usr/bin/env python3\nimport json, sys\n"
+              "json.dump({'passed': 3, 'total': 4}, open('/logs/verifier/reward.json', 'w'))\n"
+              "print(sys.version_info[0])\n")
+    g = VerifierScript(_verifier(tmp_path, script).tests, 30.0, reward_key="passed").grade(app)
+    assert g.error is None and g.reward == 3.0, g.extra
+    assert g.extra["rewards"] == {"passed": 3.0, "total": 4.0}
+    assert g.extra["reward_from"] == "reward.json: passed" and "3" in g.extra["output"]
 
 
 def test_a_tb2_task_builds_grades_untouched_and_after_its_oracle(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_the_set_loads_as_harbor_tasks_with_every_skill(root: Path) -> None:
             assert meta["tags"] == ["shell", t.family] and meta["difficulty"] == "easy"
             env = t.environment
             assert env is not None and env.workdir == "/app" and env.memory_mb == 512
-            assert env.allow_internet is False and t.time_limit_s == 180.0
+            assert env.network_mode == "no-network" and t.time_limit_s == 180.0
             assert t.oracle is not None
             assert 10 <= len(t.prompt.split()) <= 45, t.prompt
             assert "answer.txt" in t.prompt or t.family in ("fix-config", "rename-ext")

@@ -62,7 +62,8 @@ def test_each_broken_task_is_named_with_the_file_at_fault(tmp_path: Path) -> Non
     assert "wrote no reward" in problems["no-reward"]
     assert "the oracle earns 0.5, not 1" in problems["wrong-oracle"]
     assert "untouched environment earns 1" in problems["too-easy"]
-    assert "alpine:3.20" in problems["unmapped"] and "[environment] images" in problems["unmapped"]
+    assert "alpine:3.20" in problems["unmapped"] and "--image REF=DIR" in problems["unmapped"]
+    assert "--fallback default" in problems["unmapped"]  # the flags of this command
     for name, at in files.items():  # stderr names every broken task and its file
         if at:
             assert f"broken: {name}: {at[0]}" in err
@@ -71,3 +72,24 @@ def test_each_broken_task_is_named_with_the_file_at_fault(tmp_path: Path) -> Non
 def test_a_missing_directory_is_a_usage_error(tmp_path: Path) -> None:
     code, _, err = _check(str(tmp_path / "none"))
     assert code == 2 and "does not exist" in err
+
+
+def test_a_verdict_the_fallback_changes_says_so(tmp_path: Path) -> None:
+    write_task(tmp_path, "mapped")  # FROM ubuntu:24.04, mapped below
+    write_task(tmp_path, "unmapped", dockerfile="FROM alpine:3.20\nWORKDIR /app\n")
+    code, out, err = _check(str(tmp_path), "--image", "ubuntu:24.04=default",
+                            "--fallback", "default", "--json")
+    assert code == 0, out + err
+    by = {t["task"]: t for t in json.loads(out)["tasks"]}
+    assert by["unmapped"]["ok"] and by["mapped"]["ok"]
+    assert any("checked on --fallback default, not on 'alpine:3.20'" in n
+               for n in by["unmapped"]["notes"])
+    assert not any("--fallback" in n for n in by["mapped"]["notes"])
+
+
+def test_a_network_the_sandbox_does_not_give_is_noted(tmp_path: Path) -> None:
+    write_task(tmp_path, "online", toml='[environment]\nnetwork_mode = "public"\n')
+    code, out, err = _check(str(tmp_path), "--image", "ubuntu:24.04=default", "--json")
+    assert code == 0, out + err
+    (task,) = json.loads(out)["tasks"]
+    assert "network_mode is 'public': tidal's sandboxes have no network" in task["notes"]

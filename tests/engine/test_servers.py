@@ -6,12 +6,14 @@ that need no server run everywhere.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from tests.engine.test_vllm import ATOL, VLLM_PYTHON, reference_logprobs
+from tidal.engine import servers
 from tidal.engine.base import EngineError, SamplingParams, Weights
 from tidal.engine.servers import ServerPool, ServerSpec, VLLMServer, check_vllm, free_port
 
@@ -60,6 +63,42 @@ def test_server_that_fails_to_start_quotes_its_log(tiny_dir: Path, tmp_path: Pat
                        r"(.|\n)*max-num-seqs"):
         ServerPool.start(spec, 1, tiny_dir)
     assert time.monotonic() - t0 < 120  # the exit is seen, not waited out
+
+
+class _Other(BaseHTTPRequestHandler):
+    """Another OpenAI-style server, serving another model."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"data": [{"id": "scripted"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_port_taken_while_starting_moves_to_another(
+        tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the race CI met: the port is free when picked, another server binds it before vLLM
+    other = ThreadingHTTPServer(("127.0.0.1", 0), _Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
+    ports = iter([taken])
+    monkeypatch.setattr(servers, "free_port", lambda: next(ports, None) or free_port())
+    server = VLLMServer(_spec(tiny_dir, tmp_path), 0)
+    try:
+        server.start(tiny_dir)
+        server.wait_ready()
+        assert server.port != taken
+        with ServerPool.attach([server.url], "tiny") as attached:  # it serves our model
+            assert len(attached.generate([PROMPT], SamplingParams(max_tokens=2))[0].output_ids) == 2
+    finally:
+        server.stop()
+        other.shutdown()
 
 
 @pytest.fixture(scope="module")

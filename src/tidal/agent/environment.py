@@ -10,7 +10,7 @@ environment (the built-in sets) runs on the run's base config unchanged.
 
 Precedence: the task.toml `[environment] workdir`, else the Dockerfile's last WORKDIR,
 else /app; variables from the Dockerfile's ENV, then task.toml's `[environment] env`.
-`cpus` is not enforced (the sandbox has no CPU-share limit); `allow_internet` is never
+`cpus` is not enforced (the sandbox has no CPU-share limit); `network_mode` is never
 granted (sandboxes have no network but the gateway's port).
 """
 

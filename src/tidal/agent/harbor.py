@@ -7,7 +7,8 @@ tinker-cookbook load it). One directory per task; its name is the task id:
     <task>/task.toml               [task] name, description; [metadata] (free);
                                    [verifier] timeout_sec, env; [agent] timeout_sec;
                                    [solution] env; [environment] workdir, docker_image,
-                                   cpus, memory_mb, storage_mb, allow_internet, env,
+                                   cpus, memory_mb, storage_mb, network_mode,
+                                   allowed_hosts, env,
                                    build_timeout_sec (older files: memory = "4G", ...)
     <task>/environment/Dockerfile  and its build context (tidal.sandbox.build)
     <task>/tests/test.sh           the verifier, run after the agent ends
@@ -24,21 +25,18 @@ killed and the verifier gets a fresh sandbox from the task's pristine image hold
 the agent's working directory as the agent left it (`[verifier] carry_paths = ["/app",
 "/data"]`, tidal's own key, names other paths; `environment_mode = "shared"` keeps the
 agent's whole environment, and the verdict says so: `verifier_env` in the grade). There
-tests/ is copied to /tests and `bash /tests/test.sh` runs in the task's working
-directory, within `[verifier] timeout_sec`; the reward is read from /logs/verifier:
+tests/ is copied to /tests and `/tests/test.sh` runs by its shebang in the task's
+working directory, within `[verifier] timeout_sec`; the reward is read from
+/logs/verifier as Harbor reads it, reward.json first, then reward.txt (`read_reward`:
+a dict is kept whole, and the rule for the number that trains is there).
 
-- `reward.txt`: one number (read first, as Harbor does);
-- else `reward.json`: an object of numbers; the reward is its `"reward"` key, or its only
-  number when it holds one; every number is kept in the grade (`extra["rewards"]`).
-
-A script that writes neither, an unreadable or non-finite number, several numbers and no
-`"reward"` key, or a run past the timeout is a grader error: the session is masked and
-counted, never a crash. The harness's status does not enter the reward (a timed-out
-agent is graded on what it left). Not supported: Harbor's multi-step tasks (`steps/`),
-docker-compose environments, and a verifier image of its own (`environment_mode =
-"separate"` grades in the task's pristine image, as the default does, not from
-tests/Dockerfile); the network is never given (`allow_internet` is read and reported,
-not granted).
+A script that writes neither, an unreadable or non-finite number, or a run past the
+timeout is a grader error: the session is masked and counted, never a crash. The
+harness's status does not enter the reward (a timed-out agent is graded on what it
+left). Refused by name: Harbor's multi-step tasks (`[[steps]]`, `steps/`) and a verifier
+image of its own (tests/Dockerfile with `environment_mode = "separate"`, or
+`[verifier.environment]`); docker-compose environments are not read. `network_mode` is
+read (the older `allow_internet` where it is unset) and reported, never granted.
 """
 
 from __future__ import annotations
@@ -105,41 +103,63 @@ class RewardError(ValueError):
 # --------------------------------------------------------------------------- rewards
 
 
-def read_reward(reward_txt: str | None, reward_json: str | None) -> tuple[float, dict[str, float]]:
-    """(reward, every number reported) from the text of reward.txt and reward.json (None:
-    the file is missing). Raises RewardError saying what is wrong."""
-    if reward_txt is not None:
-        text = reward_txt.strip()
-        try:
-            value = float(text)
-        except ValueError:
-            raise RewardError(f"reward.txt holds {text[:80]!r}, not a number") from None
-        if not math.isfinite(value):
-            raise RewardError(f"reward.txt holds {text!r}, not a finite number")
-        return value, {"reward": value}
-    if reward_json is None:
+def read_reward(reward_txt: str | None, reward_json: str | None, *,
+                reward_key: str | None = None) -> tuple[float, dict[str, float], str]:
+    """(the reward that trains, every number reported, which rule chose it) from the text
+    of reward.txt and reward.json (None: the file is missing), read as Harbor reads them:
+    reward.json first, then reward.txt. Raises RewardError saying what is wrong.
+
+    reward.json is a number or an object of numbers, kept whole (`extra["rewards"]`).
+    The number that trains is its `"reward"` key; else the key the task names in
+    `[verifier] reward_key` (tidal's own); else its only number; else the mean of its
+    numbers (Harbor keeps a dict's keys apart; the mean is right for sub-scores on one
+    scale, and `reward_key` says otherwise)."""
+    if reward_json is not None:
+        return _reward_json(reward_json, reward_key)
+    if reward_txt is None:
         raise RewardError(f"test.sh wrote no reward ({VERIFIER_DIR}/reward.txt or reward.json)")
+    text = reward_txt.strip()
+    if not text:
+        raise RewardError("reward.txt is empty")
     try:
-        data = json.loads(reward_json)
+        value = float(text)
+    except ValueError:
+        raise RewardError(f"reward.txt holds {text[:80]!r}, not a number") from None
+    if not math.isfinite(value):
+        raise RewardError(f"reward.txt holds {text!r}, not a finite number")
+    return value, {"reward": value}, "reward.txt"
+
+
+def _reward_json(text: str, reward_key: str | None) -> tuple[float, dict[str, float], str]:
+    if not text.strip():
+        raise RewardError("reward.json is empty")
+    try:
+        data = json.loads(text)
     except ValueError as e:
         raise RewardError(f"reward.json is not JSON: {e}") from None
     if not isinstance(data, dict):
-        raise RewardError(f"reward.json must hold an object of numbers, got {type(data).__name__}")
-    numbers = {k: float(v) for k, v in data.items()
-               if isinstance(v, int | float) and not isinstance(v, bool)}
-    if "reward" in data and "reward" not in numbers:
-        raise RewardError(f"reward.json's 'reward' is {data['reward']!r}, not a number")
+        data = {"reward": data}
+    numbers = {}
+    for k, v in data.items():
+        if not isinstance(v, int | float):  # a bool is a number, as Harbor reads it
+            raise RewardError(f"reward.json's {k!r} is {v!r}, not a number")
+        if not math.isfinite(v):
+            raise RewardError(f"reward.json's {k!r} is not a finite number")
+        numbers[str(k)] = float(v)
+    if not numbers:
+        raise RewardError("reward.json holds no numbers")
     if "reward" in numbers:
-        key = "reward"
-    elif len(numbers) == 1:
+        return numbers["reward"], numbers, "reward.json: reward"
+    if reward_key is not None:
+        if reward_key not in numbers:
+            raise RewardError(f"reward.json has no {reward_key!r} ([verifier] reward_key), "
+                              f"only {sorted(numbers)}")
+        return numbers[reward_key], numbers, f"reward.json: {reward_key}"
+    if len(numbers) == 1:
         key = next(iter(numbers))
-    else:
-        raise RewardError(f"reward.json has {len(numbers)} numbers and no 'reward' key: "
-                          "say which one is the reward")
-    bad = [k for k, v in numbers.items() if not math.isfinite(v)]
-    if bad:
-        raise RewardError(f"reward.json's {bad[0]!r} is not a finite number")
-    return numbers[key], numbers
+        return numbers[key], numbers, f"reward.json: {key}"
+    return (math.fsum(numbers.values()) / len(numbers), numbers,
+            f"reward.json: the mean of {len(numbers)} numbers")
 
 
 @dataclass(frozen=True)
@@ -149,6 +169,7 @@ class VerifierScript:
     tests: Path
     timeout_s: float = DEFAULT_TIMEOUT_S
     env: Mapping[str, str] = field(default_factory=dict)
+    reward_key: str | None = None  # `[verifier] reward_key` (see `read_reward`)
 
     def grade(self, runtime: ToolRuntime, *, finished: bool | None = None) -> Grade:
         # tests/ goes to a fresh staging directory first and replaces /tests in the same
@@ -158,19 +179,21 @@ class VerifierScript:
         runtime.upload(self.tests, staging)
         run = runtime.exec(
             f"rm -rf /tests {VERIFIER_DIR} && mv {staging} /tests && mkdir -p {VERIFIER_DIR} "
-            f"&& exec bash /tests/test.sh >{VERIFIER_DIR}/test-stdout.txt "
-            f"2>{VERIFIER_DIR}/test-stderr.txt", self.timeout_s, env=self.env)
+            f"&& chmod +x /tests/test.sh && exec /tests/test.sh >{VERIFIER_DIR}/test-stdout.txt"
+            f" 2>{VERIFIER_DIR}/test-stderr.txt", self.timeout_s, env=self.env)
         out = (_read(runtime, f"{VERIFIER_DIR}/test-stdout.txt") or "")[-2000:]
         err = (_read(runtime, f"{VERIFIER_DIR}/test-stderr.txt") or run.stderr)[-2000:]
         extra: dict[str, Any] = {"exit_code": run.exit_code, "output": out + err}
         if run.timed_out:
             return _grader_error(f"test.sh did not finish within {self.timeout_s:g} s", extra)
         try:
-            reward, numbers = read_reward(_read(runtime, f"{VERIFIER_DIR}/reward.txt"),
-                                          _read(runtime, f"{VERIFIER_DIR}/reward.json"))
+            reward, numbers, rule = read_reward(
+                _read(runtime, f"{VERIFIER_DIR}/reward.txt"),
+                _read(runtime, f"{VERIFIER_DIR}/reward.json"), reward_key=self.reward_key)
         except RewardError as e:
             return _grader_error(f"{e} (test.sh exited with {run.exit_code})", extra)
         extra["rewards"] = numbers
+        extra["reward_from"] = rule
         return Grade(reward=reward, partial_score=reward, details={"tests pass": reward >= 1.0},
                      by_kind={"tests": reward}, extra=extra)
 
@@ -237,6 +260,28 @@ def _env(table: Mapping[str, Any], where: str, err: Any) -> dict[str, str]:
 
 
 ENVIRONMENT_MODES = ("pristine", "separate", "shared")
+NETWORK_MODES = ("no-network", "public", "allowlist")  # Harbor's; public is its default
+
+
+def _network(env: Mapping[str, Any], err: Any) -> tuple[str, tuple[str, ...]]:
+    """`[environment] network_mode` and `allowed_hosts`, as Harbor reads them: the older
+    `allow_internet` (true: public, false: no-network) only where network_mode is unset."""
+    mode = env.get("network_mode")
+    if mode is None:
+        internet = env.get("allow_internet", True)
+        if not isinstance(internet, bool):
+            err(f"[environment].allow_internet must be true or false, got {internet!r}")
+        mode = "public" if internet else "no-network"
+    if mode not in NETWORK_MODES:
+        err(f"[environment].network_mode must be one of {', '.join(NETWORK_MODES)}, "
+            f"got {mode!r}")
+    hosts = env.get("allowed_hosts", [])
+    if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
+        err(f"[environment].allowed_hosts must be a list of host names, got {hosts!r}")
+    if hosts and mode != "allowlist":
+        err("[environment].allowed_hosts is only valid with network_mode = \"allowlist\"")
+    return str(mode), tuple(hosts)
+
 
 
 def _verifier_carry(verifier: Mapping[str, Any], err: Any) -> tuple[str, ...] | None:
@@ -246,6 +291,10 @@ def _verifier_carry(verifier: Mapping[str, Any], err: Any) -> tuple[str, ...] | 
     if mode not in ENVIRONMENT_MODES:
         err(f"[verifier].environment_mode must be one of {', '.join(ENVIRONMENT_MODES)}, "
             f"got {mode!r}")
+    if "environment" in verifier:
+        err("[verifier.environment], a verifier environment of its own, is not supported yet:"
+            " tidal grades in a fresh copy of the task's environment (environment_mode = "
+            "\"separate\" without it)")
     paths = verifier.get("carry_paths", [])
     if not isinstance(paths, list) or not all(
             isinstance(p, str) and p.startswith("/") and "\0" not in p for p in paths):
@@ -293,29 +342,45 @@ def _parse_toml(task_id: str, path: Path) -> dict[str, Any]:
     image = env.get("docker_image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
         err(f"[environment].docker_image must be an image reference, got {image!r}")
-    internet = env.get("allow_internet", True)
-    if not isinstance(internet, bool):
-        err(f"[environment].allow_internet must be true or false, got {internet!r}")
+    network, hosts = _network(env, err)
+    reward_key = verifier.get("reward_key")
+    if reward_key is not None and (not isinstance(reward_key, str) or not reward_key):
+        err(f"[verifier].reward_key must name a key of reward.json, got {reward_key!r}")
     cpus = _number(env, "cpus", "[environment]", None, err)
     return {
         "name": str(task.get("name", task_id)), "description": str(task.get("description", "")),
         "metadata": meta, "version": str(data.get("version", "")),
         "verifier_timeout": _number(verifier, "timeout_sec", "[verifier]", DEFAULT_TIMEOUT_S, err),
         "verifier_env": _env(verifier, "[verifier]", err),
-        "verifier_carry": _verifier_carry(verifier, err),
+        "verifier_carry": _verifier_carry(verifier, err), "reward_key": reward_key,
+        "verifier_mode": verifier.get("environment_mode", "pristine"),
         "agent_timeout": _number(agent, "timeout_sec", "[agent]", DEFAULT_TIMEOUT_S, err),
         "solution_env": _env(solution, "[solution]", err),
         "environment": {
             "workdir": workdir, "docker_image": image, "cpus": cpus,
             "memory_mb": _size_mb(env, "memory_mb", "memory", err),
             "storage_mb": _size_mb(env, "storage_mb", "storage", err),
-            "allow_internet": internet, "env": _env(env, "[environment]", err),
+            "network_mode": network, "allowed_hosts": hosts,
+            "env": _env(env, "[environment]", err),
             "build_timeout": _number(env, "build_timeout_sec", "[environment]", 600.0, err),
         },
     }
 
 
 # --------------------------------------------------------------------------- loading
+
+
+MULTI_STEP = ("a multi-step task ([[steps]], steps/): tidal runs single-step tasks only, one "
+              "instruction and one verifier an episode; split it into one task a step")
+
+
+def _declares_steps(toml: Path) -> bool:
+    """Whether task.toml has Harbor's `[[steps]]` (a broken file says nothing here: its
+    own check names it)."""
+    try:
+        return "steps" in tomllib.loads(toml.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return False
 
 
 def looks_like_task(path: Path) -> bool:
@@ -329,6 +394,8 @@ def load_task(path: Path) -> Task:
     if not TASK_ID.match(tid):
         raise HarborTaskError(tid, "(directory name)", "a task directory's name is its id: "
                               "letters, digits, '.', '_' and '-' only")
+    if (path / "steps").is_dir() or _declares_steps(path / "task.toml"):
+        raise HarborTaskError(tid, "task.toml", MULTI_STEP)
     instruction = path / "instruction.md"
     if not instruction.is_file():
         raise HarborTaskError(tid, "instruction.md", "missing")
@@ -343,6 +410,11 @@ def load_task(path: Path) -> Task:
     if not test_sh.is_file():
         raise HarborTaskError(tid, "tests/test.sh", "missing: the verifier that writes "
                               f"{VERIFIER_DIR}/reward.txt or reward.json")
+    if (path / "tests" / "Dockerfile").is_file() and cfg["verifier_mode"] == "separate":
+        raise HarborTaskError(tid, "tests/Dockerfile", "a verifier environment of its own is "
+                              "not supported yet: tidal grades in a fresh copy of the task's "
+                              "environment (remove it, or grade in the agent's with "
+                              "environment_mode = \"shared\")")
     env = cfg["environment"]
     dockerfile = path / "environment" / "Dockerfile"
     if dockerfile.is_file():
@@ -355,13 +427,15 @@ def load_task(path: Path) -> Task:
         context=dockerfile.parent if dockerfile.is_file() else None,
         docker_image=env["docker_image"], workdir=env["workdir"], env=env["env"],
         cpus=env["cpus"], memory_mb=env["memory_mb"], storage_mb=env["storage_mb"],
-        allow_internet=env["allow_internet"], build_timeout_s=env["build_timeout"],
+        network_mode=env["network_mode"], allowed_hosts=env["allowed_hosts"],
+        build_timeout_s=env["build_timeout"],
     )
     solve = path / "solution" / "solve.sh"
     calls = path / "solution" / "tool_calls.json"
     return Task(
         task_id=tid, prompt=prompt,
-        grader=VerifierScript(path / "tests", cfg["verifier_timeout"], cfg["verifier_env"]),
+        grader=VerifierScript(path / "tests", cfg["verifier_timeout"], cfg["verifier_env"],
+                              cfg["reward_key"]),
         family=str(cfg["metadata"].get("category", "")), environment=spec,
         time_limit_s=cfg["agent_timeout"], source=path, verifier_carry=cfg["verifier_carry"],
         oracle=Oracle(solve.parent, cfg["solution_env"]) if solve.is_file() else None,

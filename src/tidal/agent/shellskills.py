@@ -633,7 +633,7 @@ def _task_toml(task_id: str, skill: str, split: str, description: str) -> str:
             f'[metadata]\ncategory = "{skill}"\nsplit = "{split}"\ndifficulty = "easy"\n'
             f'tags = ["shell", "{skill}"]\n\n[verifier]\ntimeout_sec = 30.0\n\n'
             "[agent]\ntimeout_sec = 180.0\n\n"
-            '[environment]\nworkdir = "/app"\nmemory_mb = 512\nallow_internet = false\n')
+            '[environment]\nworkdir = "/app"\nmemory_mb = 512\nnetwork_mode = "no-network"\n')
 
 
 def _solve_sh(task_id: str, commands: Sequence[str]) -> str:

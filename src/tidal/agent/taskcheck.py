@@ -67,13 +67,18 @@ def check_task(path: Path, environments: Environments, new_runtime: RuntimeFacto
     except HarborTaskError as e:
         return TaskCheck(path.name, problems=(Problem(e.file, e.problem),))
     notes = []
-    if task.environment is not None and task.environment.allow_internet:
-        notes.append("allow_internet is true: tidal sandboxes have no network")
+    if task.environment is not None and task.environment.network_mode != "no-network":
+        notes.append(f"network_mode is {task.environment.network_mode!r}: tidal's sandboxes "
+                     "have no network")
     try:
         config = environments.sandbox_config(task, base)
+        env = environments.environment(task)
     except TaskError as e:
         return TaskCheck(task.task_id, problems=(Problem("environment/Dockerfile",
                          str(e).removeprefix(f"task {task.task_id!r}: ")),), notes=tuple(notes))
+    if env is not None and env.fallback_for is not None:
+        notes.append(f"checked on --fallback {environments.fallback}, not on {env.fallback_for!r}"
+                     " (not mapped): this verdict is not the named image's")
     problems: list[Problem] = []
     with new_runtime(config) as rt:
         prepare(task, rt)

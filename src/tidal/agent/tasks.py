@@ -164,7 +164,8 @@ class EnvironmentSpec:
     directory): a Dockerfile and its build context, or a prebuilt `docker_image`
     reference (mapped to a local image directory by the run's `[environment] images`);
     the working directory of every command (None: the Dockerfile's last WORKDIR, else
-    /app) and their variables; resources."""
+    /app) and their variables; resources and network policy (bubblewrap sandboxes have
+    no network whatever the task asks: the verdict says so)."""
 
     dockerfile: Path | None = None
     context: Path | None = None
@@ -174,7 +175,8 @@ class EnvironmentSpec:
     cpus: float | None = None
     memory_mb: int | None = None
     storage_mb: int | None = None
-    allow_internet: bool = False
+    network_mode: str = "no-network"  # Harbor's: no-network, public or allowlist
+    allowed_hosts: tuple[str, ...] = ()  # what allowlist lets through
     build_timeout_s: float = 600.0
 
 

@@ -80,6 +80,7 @@ CUDA_ARGS: tuple[str, ...] = (
 )
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 LOG_TAIL = 3000  # characters of a server's log quoted in an error
+PORT_MOVES = 3  # new ports tried when another process takes a starting server's port
 
 # LoRA (vLLM 0.32): the ranks --max-lora-rank accepts; adapters per batch (the newest
 # and the one before it, whose calls may still be in flight), adapters kept in memory.
@@ -162,6 +163,7 @@ class VLLMServer:
         self.weights_dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self.log_path = spec.log_dir / f"server-{index}.log"
+        self._log_start = 0  # where the current process's lines begin in the log
 
     @property
     def url(self) -> str:
@@ -210,6 +212,7 @@ class VLLMServer:
         with self.log_path.open("ab") as log:
             log.write(f"\n=== tidal: starting on {weights_dir} ===\n".encode())
             log.flush()
+            self._log_start = log.tell()
             # a process group of its own: stop() ends the server and its children
             self._proc = subprocess.Popen(
                 self.command(weights_dir), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -217,18 +220,43 @@ class VLLMServer:
             )
 
     def wait_ready(self) -> float:
-        """Seconds until /v1/models answers; an EngineError with the log's tail if the
-        process exits or does not come up within `start_timeout_s`."""
+        """Seconds until /v1/models answers with this server's model; an EngineError with
+        the log's tail if the process exits or does not come up within `start_timeout_s`.
+
+        The port is free when `start` picks it, but another process may bind it before
+        vLLM does (vLLM binds after loading the model): if something else answers there,
+        or vLLM reports the address in use, it starts again on a new port (a few times)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.spec.start_timeout_s
+        moves = 0
         while True:
+            taken = ""
             if not self.alive:
                 code = self._proc.returncode if self._proc is not None else None
-                raise EngineError(f"vLLM server {self.index} exited ({code}) while starting; "
-                                  f"the end of {self.log_path}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
+                if "address already in use" not in self.log_since_start().lower():
+                    raise EngineError(f"vLLM server {self.index} exited ({code}) while "
+                                      f"starting; the end of {self.log_path}:\n"
+                                      f"{self.log_tail()}")
+                taken = "vLLM found the address in use"
+            else:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    resp = httpx.get(f"{self.url}/v1/models", timeout=2)
+                    if resp.status_code == 200:
+                        served = [c.get("id") for c in resp.json().get("data", [])]
+                        if self.spec.served_name in served:
+                            return time.perf_counter() - t0
+                        taken = f"another server answers there, serving {served}"
+            if taken:
+                moves += 1
+                if moves > PORT_MOVES:
+                    self.stop()
+                    raise EngineError(f"vLLM server {self.index}: port {self.port} was taken"
+                                      f" ({taken}), {PORT_MOVES} times in a row")
+                log.warning("vLLM server %d: port %d was taken (%s); starting on another",
+                            self.index, self.port, taken)
+                assert self.weights_dir is not None
+                self.start(self.weights_dir)
+                continue
             if time.monotonic() > deadline:
                 self.stop()
                 raise EngineError(
@@ -236,6 +264,15 @@ class VLLMServer:
                     f" s (engine.start_timeout_s); the end of {self.log_path}:\n"
                     f"{self.log_tail()}")
             time.sleep(0.5)
+
+    def log_since_start(self) -> str:
+        """What the process `start` began last wrote to the log."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self) -> str:
         try:

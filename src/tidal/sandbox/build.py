@@ -113,6 +113,7 @@ class Environment:
     key: str
     built: bool
     seconds: float
+    fallback_for: str | None = None  # the FROM / docker_image the fallback stood in for
 
 
 # --------------------------------------------------------------------------- base
@@ -141,6 +142,12 @@ def resolve_base(ref: str, images: Mapping[str, str], fallback: str | None, *,
         raise DockerfileError(file, line, f"the image directory {value!r} for {ref!r} does "
                               "not exist", "fix its path in [environment] images")
     return str(path.resolve())
+
+
+def is_mapped(ref: str, images: Mapping[str, str]) -> bool:
+    """Whether `resolve_base` finds `ref` itself (else the fallback stands in for it)."""
+    name = _without_tag(ref)
+    return name == DEFAULT_IMAGE_REF or ref in images or name in images
 
 
 def _without_tag(ref: str) -> str:
@@ -646,7 +653,8 @@ def build_environment(dockerfile: Path, *, context: Path, images: Mapping[str, s
     else:
         key = _cache_key(df, _base_identity(base, state_dir, full=False), plans)
     return Environment(image=base, layers=layers, workdir=df.workdir, env=dict(df.env),
-                       key=key, built=built, seconds=time.monotonic() - t0)
+                       key=key, built=built, seconds=time.monotonic() - t0,
+                       fallback_for=None if is_mapped(df.base, images) else df.base)
 
 
 def image_environment(ref: str, *, images: Mapping[str, str], fallback: str | None,
@@ -657,4 +665,5 @@ def image_environment(ref: str, *, images: Mapping[str, str], fallback: str | No
     base = resolve_base(ref, images, fallback, file=file)
     key = hashlib.sha256(f"image\0{_base_identity(base, None, full=False)}".encode())
     return Environment(image=base, layers=(), workdir=None, env={}, key=key.hexdigest()[:32],
-                       built=False, seconds=time.monotonic() - t0)
+                       built=False, seconds=time.monotonic() - t0,
+                       fallback_for=None if is_mapped(ref, images) else ref)

@@ -29,8 +29,9 @@ IGNORED = frozenset({"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "VOLU
 
 REMEDY_NETWORK = ("tidal builds without network: install this in a base image directory and "
                   "map FROM to it in [environment] images")
-REMEDY_UNMAPPED = ("map it to a local image directory in [environment] images, or set "
-                   "[environment] fallback = \"default\" to use tidal's default image")
+REMEDY_UNMAPPED = ("map it to a local image directory (`tidal tasks check --image REF=DIR`; in a "
+                   "run, [environment] images), or build on tidal's default image instead "
+                   "(`--fallback default`; in a run, [environment] fallback = \"default\")")
 REMEDY_ONE_STAGE = ("use a single stage: build the earlier stage into an image directory and "
                     "map FROM to it in [environment] images")
 REMEDY_HEREDOC = "write the script into the build context, COPY it and RUN it"
