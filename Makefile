@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 VLLM_STAMP := .venv-vllm/.tidal-vllm-ok
 MINI_STAMP := .venv-mini/.tidal-mini-ok
+HARBOR_STAMP := .venv-harbor/.tidal-harbor-ok
 
 .PHONY: run run-real test setup lint
 
@@ -32,6 +33,10 @@ lint: $(STAMP)
 $(VLLM_STAMP): .ci/vllm-venv.sh
 	bash .ci/vllm-venv.sh
 
+# harbor's models in a Python >= 3.12 venv, for tests/ledger/test_atif.py (~10 s)
+$(HARBOR_STAMP): .ci/harbor-venv.sh
+	bash .ci/harbor-venv.sh
+
 # mini-swe-agent in its own venv on the sandbox's python, for tests/run/test_workload.py
 # (after .ci/setup, which installs that python)
 $(MINI_STAMP): .ci/mini-venv.sh | $(STAMP)
@@ -43,5 +48,5 @@ $(MINI_STAMP): .ci/mini-venv.sh | $(STAMP)
 # to a worker, the files of end-to-end tests first (tests/conftest.py: the order, and the
 # cores' threads shared out); `pytest tests/...` alone runs in one process
 test:
-	$(MAKE) -j2 -O $(VLLM_STAMP) lint $(MINI_STAMP)
+	$(MAKE) -j2 -O $(VLLM_STAMP) lint $(MINI_STAMP) $(HARBOR_STAMP)
 	$(VENV)/bin/pytest -n auto --dist loadfile --no-loadscope-reorder

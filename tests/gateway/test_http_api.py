@@ -212,6 +212,27 @@ def test_auto_session_follows_tool_call_ids(
     assert len(store.session_ids()) == 2
 
 
+def test_the_request_is_recorded_and_stored_as_what_is_new(
+    client_for: Any, engine: ScriptedEngine, store: LedgerStore
+) -> None:
+    c = client_for("req")
+    engine.push(tag_call("weather", '{"city": "Oslo"}'))
+    system = {"role": "system", "content": "Be brief."}
+    r1 = c.chat.completions.create(model="scripted", messages=[system, USER], tools=TOOLS)
+    msg = r1.choices[0].message.model_dump(exclude_none=True, exclude={"refusal"})
+    result = {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "sunny"}
+    c.chat.completions.create(model="scripted", tools=TOOLS,
+                              messages=[system, USER, msg, result])
+    log = store.call_log("req")
+    first, second = (log.full_call(sc.call_id) for sc in log.calls)
+    assert first.messages == [system, USER] and first.tools == TOOLS
+    assert second.messages is not None and second.messages[3] == result
+    assert second.messages[2]["tool_calls"][0]["function"] == msg["tool_calls"][0]["function"]
+    req = log.calls[1].request
+    assert req is not None and req.base_call_id == first.call_id and req.keep == 2
+    assert len(req.new) == 2 and req.tools_from_base  # only the turn and the tool result
+
+
 def test_completions_endpoint(client_for: Any, engine: ScriptedEngine, store: LedgerStore) -> None:
     engine.push(" world")
     r = client_for("c1").completions.create(model="scripted", prompt="hello", logprobs=0)

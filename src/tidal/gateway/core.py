@@ -52,7 +52,7 @@ from tidal.engine.base import Engine, EngineError, Generation, SamplingParams
 from tidal.gateway.access import OPEN, Access
 from tidal.gateway.drift import DriftRecord, RecordedToolCall
 from tidal.gateway.family import ChatFamily, GatewayError, detect_family
-from tidal.gateway.messages import RequestError, messages_text, shown
+from tidal.gateway.messages import RequestError, message_record, messages_text, shown
 from tidal.gateway.record import (
     Turn,
     call_metadata,
@@ -586,7 +586,9 @@ class Gateway:
                              extra=req.metadata)
         self._commit(chat_call(turn, plan, gen, out, parsed=parsed, tool_calls=tool_calls,
                                sampling=sampling_record(params), metadata=meta,
-                               decode=self.renderer.decode), plan.base_hint)
+                               decode=self.renderer.decode,
+                               messages=[message_record(m) for m in request.messages],
+                               tools=request.tools), plan.base_hint)
         self._remember(turns, turn, RecordedTurn(
             turn.call_id, len(request.messages), plan.prefix_fp, n_prompt, out.ids,
             parsed.content, tool_calls), new_drift, auto=auto)

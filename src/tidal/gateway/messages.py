@@ -329,6 +329,23 @@ def template_message(m: Message) -> dict[str, Any]:
     return d
 
 
+def message_record(m: Message) -> dict[str, Any]:
+    """A message as the ledger keeps it (`Call.messages`): chat-completions form, its
+    tool calls' arguments as the client sent them (text, or an object's JSON text)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments if isinstance(
+                 c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)}}
+            for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
 def message_fingerprint(m: Message) -> bytes:
     """A canonical byte form of a message (for history-change detection)."""
     return json.dumps(

@@ -117,8 +117,10 @@ def call_metadata(request: ChatRequest, plan: PromptPlan, new_drift: Sequence[Dr
 
 def chat_call(turn: Turn, plan: PromptPlan, gen: Generation, out: Output, *,
               parsed: ParsedOutput, tool_calls: Sequence[RecordedToolCall],
-              sampling: dict[str, Any], metadata: dict[str, Any], decode: Decode) -> Call:
-    """The ledger call of a chat turn."""
+              sampling: dict[str, Any], metadata: dict[str, Any], decode: Decode,
+              messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Call:
+    """The ledger call of a chat turn; `messages` and `tools` the request's
+    (`message_record`)."""
     return Call(
         session_id=turn.session_id,
         call_id=turn.call_id,
@@ -139,6 +141,8 @@ def chat_call(turn: Turn, plan: PromptPlan, gen: Generation, out: Output, *,
         task_id=turn.task_id,
         sampling=sampling,
         metadata=metadata,
+        messages=messages,
+        tools=tools,
     )
 
 

@@ -110,17 +110,25 @@ def export_cmd(
     parquet: Annotated[
         Path | None, typer.Option("--parquet", help="Write calls/outcomes Parquet files here.")
     ] = None,
+    atif: Annotated[
+        Path | None, typer.Option("--atif", help="Write one Harbor ATIF trajectory per "
+                                  "episode here (docs/ledger.md).")
+    ] = None,
 ) -> None:
-    """Export the store as JSON Lines and/or Parquet (refused if `check` finds it corrupt)."""
+    """Export the store as JSON Lines, Parquet and/or ATIF trajectories (refused if
+    `check` finds it corrupt)."""
+    from tidal.ledger.atif import write_atif
     from tidal.ledger.interchange import export_jsonl, export_parquet, writable_target
 
-    if jsonl is None and parquet is None:
-        _fail("give --jsonl FILE and/or --parquet DIR")
+    if jsonl is None and parquet is None and atif is None:
+        _fail("give --jsonl FILE, --parquet DIR and/or --atif DIR")
     try:
         if jsonl is not None:
             writable_target(jsonl)
         if parquet is not None:
             writable_target(parquet, directory=True)
+        if atif is not None:
+            writable_target(atif, directory=True)
     except LedgerError as e:
         _fail(str(e))
     with _open(store) as s:
@@ -141,6 +149,8 @@ def export_cmd(
                 typer.echo(
                     f"wrote {counts['calls']} calls, {counts['outcomes']} outcomes to {parquet}"
                 )
+            if atif is not None:
+                typer.echo(f"wrote {write_atif(s, atif)} episode trajectories to {atif}")
         except LedgerError as e:
             _fail(str(e))
 

@@ -234,7 +234,7 @@ def export_parquet(store: LedgerStore, directory: str | Path) -> dict[str, int]:
     except OSError as e:
         raise LedgerError(f"cannot create {directory}: {e.strerror}") from e
     rows: dict[str, list[Any]] = {}
-    json_cols = ("tool_calls", "sampling", "metadata")
+    json_cols = ("tool_calls", "sampling", "metadata", "messages", "tools")
     for call in store.iter_full_calls():
         d = call_to_dict(call)
         d.pop("type")
@@ -252,6 +252,7 @@ def export_parquet(store: LedgerStore, directory: str | Path) -> dict[str, int]:
             ("tool_calls", pa.string()), ("policy_version", pa.int64()),
             ("finish_reason", pa.string()), ("started_at", pa.float64()),
             ("ended_at", pa.float64()), ("sampling", pa.string()), ("metadata", pa.string()),
+            ("messages", pa.string()), ("tools", pa.string()),
         ]
     )
     table = pa.table({f.name: rows.get(f.name, []) for f in schema}, schema=schema)

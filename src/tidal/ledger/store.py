@@ -46,6 +46,7 @@ from tidal.ledger.types import (
     LedgerError,
     Outcome,
     PromptDelta,
+    RequestDelta,
     SessionMeta,
     Status,
     StoredCall,
@@ -143,12 +144,13 @@ def _chain(prev: str, content_hash: str) -> str:
     return hashlib.sha256((prev + content_hash).encode()).hexdigest()
 
 
-_ARRAY_FIELDS = ("type", "prompt_ids", "output_ids", "output_logprobs")
+_ARRAY_FIELDS = ("type", "prompt_ids", "output_ids", "output_logprobs", "messages", "tools")
 
 
-def _call_header(call: Call, delta: PromptDelta) -> str:
-    """Every scalar field of the call (the JSONL contract's, minus the token arrays) plus
-    the prompt delta, as canonical JSON: what the content hash covers with the blobs."""
+def _call_header(call: Call, delta: PromptDelta, request: RequestDelta | None) -> str:
+    """Every scalar field of the call (the JSONL contract's, minus the token arrays and
+    the request) plus the prompt delta and the request's (`request`, only when the call
+    has one), as canonical JSON: what the content hash covers with the blobs."""
     fields = {k: v for k, v in call_to_dict(call, as_lists=False).items()
               if k not in _ARRAY_FIELDS}
     return canonical_json({
@@ -157,7 +159,26 @@ def _call_header(call: Call, delta: PromptDelta) -> str:
         "prefix_len": delta.prefix_len,
         "prompt_len": delta.prompt_len,
         "output_len": int(call.output_ids.shape[0]),
+        **({"request": request.to_dict()} if request is not None else {}),
     })
+
+
+Request = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]  # messages, tools
+
+
+def _request_delta(call: Call, base_id: str | None, base: Request | None) -> RequestDelta:
+    """`call`'s messages and tools as a delta against `base` (the request of `base_id`)."""
+    assert call.messages is not None
+    if base_id is None or base is None:
+        return RequestDelta(None, 0, call.messages, False, call.tools)
+    old, old_tools = base
+    keep = 0
+    for a, b in zip(old, call.messages, strict=False):
+        if a is not b and a != b:
+            break
+        keep += 1
+    same = old_tools == call.tools
+    return RequestDelta(base_id, keep, call.messages[keep:], same, None if same else call.tools)
 
 
 def _call_hash(header: str, suffix: bytes, output: bytes, logprobs: bytes) -> str:
@@ -249,6 +270,7 @@ class CallLog:
         self.session_id = session_id
         self.calls: tuple[StoredCall, ...] = tuple(calls)
         self._by_id = {c.call_id: c for c in self.calls}
+        self._requests: dict[str, Request | None] = {}
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -295,10 +317,51 @@ class CallLog:
                 n += int(o.shape[0])
         return buf[:n].copy() if n < cap // 2 else buf[:n]
 
+    def request(self, call_id: str) -> Request | None:
+        """The call's request messages and tools (None: it recorded none). Rebuilt from
+        the deltas once per call and kept, so reading a session in order costs what its
+        messages do."""
+        if call_id in self._requests:
+            return self._requests[call_id]
+        first = self._by_id[call_id]
+        if first.request is None:
+            self._requests[call_id] = None
+            return None
+        pending = [first]
+        seen = {call_id}
+        while True:
+            d = pending[-1].request
+            assert d is not None
+            b = d.base_call_id
+            if b is None or b in self._requests:
+                break
+            sc = self._by_id.get(b)
+            if b in seen or sc is None or sc.request is None:
+                raise LedgerError(f"session {self.session_id!r}: call {pending[-1].call_id!r} "
+                                  f"has a broken request reference to {b!r}")
+            seen.add(b)
+            pending.append(sc)
+        base = None if b is None else self._requests[b]
+        if b is not None and base is None:
+            raise LedgerError(f"session {self.session_id!r}: call {pending[-1].call_id!r} "
+                              f"has a request reference to {b!r}, which recorded none")
+        for sc in reversed(pending):
+            d = sc.request
+            assert d is not None
+            if base is None or d.base_call_id is None:
+                got: Request = (list(d.new), d.tools)
+            else:
+                got = (base[0][:d.keep] + d.new, base[1] if d.tools_from_base else d.tools)
+            self._requests[sc.call_id] = base = got
+        return base
+
     def full_call(self, call_id: str) -> Call:
-        """The call with its full prompt, as it was appended."""
+        """The call with its full prompt and request, as it was appended."""
         sc = self._by_id[call_id]
-        return replace(sc.call, prompt_ids=self.prompt_ids(call_id))
+        req = self.request(call_id)
+        return replace(sc.call, prompt_ids=self.prompt_ids(call_id),
+                       messages=None if req is None else req[0],
+                       tools=None if req is None else req[1])
 
 
 # ------------------------------------------------------------------------------ store
@@ -309,10 +372,11 @@ class _SessionState:
     contexts of its latest calls, and its `sessions` row (task_id, parent_session_id)
     once known. Dropped whole when a transaction that touched the session rolls back."""
 
-    __slots__ = ("contexts", "row")
+    __slots__ = ("contexts", "requests", "row")
 
     def __init__(self) -> None:
         self.contexts: OrderedDict[str, Context] = OrderedDict()
+        self.requests: OrderedDict[str, Request | None] = OrderedDict()
         self.row: tuple[str | None, str | None] | None = None
 
 
@@ -576,8 +640,13 @@ class LedgerStore:
         tape, end = _extend(best_ctx, best_len, prompt[best_len:], call.output_ids)
         suffix, output = _view(tape, best_len, plen), _view(tape, plen, end)
         delta = PromptDelta(best_id, best_len, suffix)
+        request = None
+        if call.messages is not None:
+            base_req = (self._request_of(state, call.session_id, best_id)
+                        if best_id is not None else None)
+            request = _request_delta(call, best_id, base_req)
 
-        header = _call_header(call, delta)
+        header = _call_header(call, delta, request)
         sb, ob, lb = suffix.tobytes(), output.tobytes(), call.output_logprobs.tobytes()
         content = _call_hash(header, sb, ob, lb)
         prev = db.execute("SELECT chain_hash FROM calls ORDER BY seq DESC LIMIT 1").fetchone()
@@ -609,8 +678,28 @@ class LedgerStore:
         cache[call.call_id] = (tape, end)
         while len(cache) > 2 * _CANDIDATES:
             cache.popitem(last=False)
-        stored_call = replace(call, prompt_ids=_EMPTY_IDS, output_ids=output)
-        return StoredCall(seq=seq, call=stored_call, prompt=delta, content_hash=content)
+        state.requests[call.call_id] = (None if call.messages is None
+                                        else (call.messages, call.tools))
+        while len(state.requests) > 2 * _CANDIDATES:
+            state.requests.popitem(last=False)
+        stored_call = replace(call, prompt_ids=_EMPTY_IDS, output_ids=output, messages=None,
+                              tools=None)
+        return StoredCall(seq=seq, call=stored_call, prompt=delta, content_hash=content,
+                          request=request)
+
+    def _request_of(self, state: _SessionState, session_id: str, call_id: str,
+                    ) -> Request | None:
+        """The request of an earlier call of the session: remembered, else rebuilt from
+        the store (once after a restart; then remembered)."""
+        if call_id in state.requests:
+            return state.requests[call_id]
+        rows = self._db.execute(
+            f"SELECT {self._CALL_COLS} FROM calls WHERE session_id=? ORDER BY seq",
+            (session_id,)).fetchall()
+        log = CallLog(session_id, [self._row_to_stored(r) for r in rows])
+        got = log.request(call_id) if call_id in log else None
+        state.requests[call_id] = got
+        return got
 
     def _check_parent(self, call: Call, where: str) -> None:
         if call.parent_call_id is not None:
@@ -688,9 +777,10 @@ class LedgerStore:
             sampling=h["sampling"],
             metadata=h["metadata"],
         )
+        req = h.get("request")
         return StoredCall(
             seq=int(seq), call=call, prompt=PromptDelta(base, int(prefix_len), suffix),
-            content_hash=content,
+            content_hash=content, request=None if req is None else RequestDelta.from_dict(req),
         )
 
     def session_ids(self) -> list[str]:
@@ -886,6 +976,7 @@ class LedgerStore:
             ).fetchall()
         prev = _GENESIS
         ctx_len: dict[tuple[str, str], int] = {}
+        n_messages: dict[tuple[str, str], int] = {}  # of calls with a request
         for r in rows:
             seq, sid, cid, base, prefix_len, plen, olen, sb, ob, lb, header, content = r[:12]
             chain, role = r[12], r[13]
@@ -924,7 +1015,11 @@ class LedgerStore:
             pcid = h.get("parent_call_id")
             if pcid is not None and (h.get("parent_session_id") or sid, pcid) not in ctx_len:
                 problems.append(f"{name}: parent call {pcid!r} is not an earlier call")
+            problems += _request_problems(name, h.get("request"), sid, n_messages)
             ctx_len[(sid, cid)] = plen + olen
+            req = h.get("request")
+            if isinstance(req, dict) and isinstance(req.get("keep"), int):
+                n_messages[(sid, cid)] = req["keep"] + len(req.get("new") or ())
         oprev = _GENESIS
         for seq, sid, body, content, chain in orows:
             name = f"outcome of session {sid!r} (seq {seq})"
@@ -964,6 +1059,26 @@ class LedgerStore:
             "output_tokens": int(output),
             "bytes": int(size),
         }
+
+
+def _request_problems(name: str, req: Any, sid: str,
+                      n_messages: Mapping[tuple[str, str], int]) -> list[str]:
+    """What is wrong with a call's stored request delta (`check`)."""
+    if req is None:
+        return []
+    if (not isinstance(req, dict) or not isinstance(req.get("new"), list)
+            or not isinstance(req.get("keep"), int) or req.get("keep", -1) < 0):
+        return [f"{name}: its request delta is malformed"]
+    base = req.get("base")
+    if base is None:
+        return [f"{name}: keeps {req['keep']} messages without a base call"] if req["keep"] else []
+    n = n_messages.get((sid, base))
+    if n is None:
+        return [f"{name}: request reference to {base!r}, which is not an earlier call of the "
+                "session with a request"]
+    if req["keep"] > n:
+        return [f"{name}: keeps {req['keep']} messages of {base!r}, which has {n}"]
+    return []
 
 
 def _outcome_from_body(body: str) -> Outcome:

@@ -64,6 +64,9 @@ class Call:
     `output_logprobs[i]` under policy `policy_version`. `output_text` is the raw
     decoded output and `raw_tool_calls` the tool-call text exactly as the model wrote
     it (before any parsing); `tool_calls` is the parsed form handed to the client.
+    `messages` and `tools` are the request the call answered, in chat-completions form
+    (None where it was not a chat request): the store keeps them as a delta against an
+    earlier call, as it keeps prompts, so a session costs what its new messages do.
     """
 
     session_id: str
@@ -84,6 +87,8 @@ class Call:
     task_id: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def context_len(self) -> int:
@@ -110,6 +115,28 @@ class PromptDelta:
         return self.prefix_len + int(self.suffix_ids.shape[0])
 
 
+@dataclass(frozen=True)
+class RequestDelta:
+    """A call's request messages stored as `base_call_id`'s messages[:keep] + `new` (no
+    base: `new` is all of them); its tools as the base's (`tools_from_base`) or `tools`."""
+
+    base_call_id: str | None
+    keep: int
+    new: list[dict[str, Any]]
+    tools_from_base: bool
+    tools: list[dict[str, Any]] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base": self.base_call_id, "keep": self.keep, "new": self.new,
+                "tools": "base" if self.tools_from_base else self.tools}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestDelta:
+        same = d["tools"] == "base"
+        return cls(d["base"], int(d["keep"]), list(d["new"]), same,
+                   None if same else d["tools"])
+
+
 @dataclass(frozen=True, eq=False)
 class StoredCall:
     """A call as read back from the store: the prompt as a delta, plus bookkeeping.
@@ -119,9 +146,10 @@ class StoredCall:
     """
 
     seq: int
-    call: Call  # with an empty prompt_ids; the prompt lives in `prompt`
+    call: Call  # with an empty prompt_ids and no messages: `prompt` and `request` hold them
     prompt: PromptDelta
     content_hash: str
+    request: RequestDelta | None = None  # None: the call recorded no request messages
 
     @property
     def call_id(self) -> str:
@@ -427,6 +455,10 @@ def make_call(data: Mapping[str, Any]) -> Call:  # noqa: PLR0915
     task_id = data.get("task_id")
     if task_id is not None:
         check_id(task_id, "task_id", where)
+    messages = _objects(data.get("messages"), "messages", where)
+    if messages is not None and not all(isinstance(m.get("role"), str) for m in messages):
+        raise LedgerError(f"{where}: every message must have a role")
+    tools = _objects(data.get("tools"), "tools", where)
     return Call(
         session_id=sid,
         call_id=cid,
@@ -446,7 +478,20 @@ def make_call(data: Mapping[str, Any]) -> Call:  # noqa: PLR0915
         task_id=task_id,
         sampling=_check_json_obj(data.get("sampling") or {}, "sampling", where),
         metadata=_check_json_obj(data.get("metadata") or {}, "metadata", where),
+        messages=messages,
+        tools=tools,
     )
+
+
+def _objects(value: Any, name: str, where: str) -> list[dict[str, Any]] | None:
+    """A list of JSON objects (or None). Only its shape is checked here, not every value
+    (a call's messages are its whole request: a deep check on every call would cost the
+    square of a session's length); the store's canonical JSON refuses what is not JSON."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise LedgerError(f"{where}: {name} must be a list of objects or null")
+    return [v if type(v) is dict else dict(v) for v in value]
 
 
 def validate_call(call: Call) -> Call:
@@ -532,6 +577,8 @@ def call_to_dict(call: Call, *, as_lists: bool = True) -> dict[str, Any]:
         "ended_at": call.ended_at,
         "sampling": call.sampling,
         "metadata": call.metadata,
+        "messages": call.messages,
+        "tools": call.tools,
     }
 
 
