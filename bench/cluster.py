@@ -23,8 +23,8 @@ About 1-2 minutes a run on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -47,9 +47,11 @@ from tidal.run.loop import run  # noqa: E402
 def config(backend: str, steps: int) -> dict[str, Any]:
     cfg: dict[str, Any] = small_config(
         tasks={"name": "digits", "train_size": 8, "heldout_size": 2},
+        # temperature 1 and the mixed teacher (tests/run/loop_runs.REPRO): rewards differ
+        # within groups, so every step trains
         rollout={"context_budget": 4096, "group_size": 4, "tasks_per_step": 2,
-                 "snapshot_every": 1},
-        warmstart={"steps": 40}, rl={"steps": steps},  # enough to earn some reward: steps train
+                 "snapshot_every": 1, "temperature": 1.0},
+        warmstart={"steps": 20, "teacher": "mixed"}, rl={"steps": steps},
         schedule={"backend": backend, "ray_resource": "tidal_gpu", "devices": 2,
                   "policy": "colocated"})
     return cfg
@@ -117,14 +119,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="RL steps a run")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-cluster"))
     args = ap.parse_args()
-    cluster, _workers = start_cluster(workers=2)
+    # stdout is the JSON alone: the runs' progress and what Ray's log monitor prints
+    # (from its own threads) go to stderr, at the descriptor
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # progress; stdout is the JSON
+        cluster, _workers = start_cluster(workers=2)
+        try:
             runs = [one(b, args.steps, args.out / f"{b}-{i}")
                     for i in range(args.pairs) for b in ("local", "ray")]
             loss = node_loss(cluster, args.steps, args.out / "ray-node-loss")
+        finally:
+            stop_cluster(cluster)
     finally:
-        stop_cluster(cluster)
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
     mean = {b: round(statistics.mean(r["step_s"] for r in runs if r["backend"] == b), 2)
             for b in ("local", "ray")}
     minutes = {b: round(statistics.mean(r["wall_minutes"] for r in runs
