@@ -12,6 +12,13 @@ cached build + start + grade (pristine) under 200 ms beyond the harness's own ti
 
     .venv/bin/python bench/workload.py                 # swe-mini's first tasks
     .venv/bin/python bench/workload.py --tasks DIR --image ubuntu:24.04=default
+
+With `--container REF=IMAGE` (repeatable; e.g. `tidal/default=localhost/tidal-base:bookworm`,
+the image .ci/podman.sh builds), the same tasks also on the container runtime
+(`tidal.agent.containers`, a Docker-API engine), in the same run: the image built cold by
+the engine and found by a fresh builder, the container started, prepared and removed,
+one `exec` of `true`, a snapshot (a commit), and the grade (pristine: a fresh container
+carrying the workdir); bubblewrap's exec and snapshot are timed beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tidal.agent.containers import (
+    ContainerEnvironments,
+    connect,
+    container_runtime,
+    remove_snapshot,
+)
 from tidal.agent.environment import Environments
 from tidal.agent.harbor import load_tasks
 from tidal.agent.sandboxed import sandboxed_runtime
@@ -80,17 +93,85 @@ def bench_task(task: Task, images: dict[str, str], cache: Path, repeat: int) -> 
     }
 
 
+def bench_container(task: Task, images: dict[str, str], repeat: int,
+                    tmp: Path) -> dict[str, Any]:
+    """The container runtime's overheads on `task` (see the module docstring)."""
+    client = connect()
+    t0 = time.perf_counter()
+    ContainerEnvironments(client, images).spec(task)
+    cold_s = time.perf_counter() - t0
+    cached, start, execs, snaps, grades, rewards = [], [], [], [], [], []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        spec = ContainerEnvironments(client, images).spec(task)  # a new process's builder
+        cached.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with container_runtime(spec, client) as rt:
+            prepare(task, rt)
+            t1 = time.perf_counter()
+            rt.exec("true", 30.0)
+            t2 = time.perf_counter()
+            snap = tmp / f"snap-{i}.json"
+            rt.snapshot(snap)
+            t3 = time.perf_counter()
+            rt.write_file("tidal-bench-answer.txt", "what the agent left\n")
+            t4 = time.perf_counter()
+            rt.end_agent(task.verifier_carry or ())
+            g = task.grader.grade(rt)
+            t5 = time.perf_counter()
+        t6 = time.perf_counter()
+        remove_snapshot(snap, client)
+        start.append((t1 - t0) + (t6 - t5))
+        execs.append(t2 - t1)
+        snaps.append(t3 - t2)
+        grades.append(t5 - t4)
+        rewards.append(g.reward)
+    return {"build_cold_ms": round(1000 * cold_s, 1), "build_cached": _stats(cached),
+            "start_close": _stats(start), "exec_true": _stats(execs),
+            "snapshot": _stats(snaps), "grade": _stats(grades),
+            "overhead_total": _stats([a + b + c for a, b, c in zip(cached, start, grades,
+                                                                     strict=True)]),
+            "untouched_reward": rewards[0]}
+
+
+def bench_bwrap_exec_snapshot(task: Task, images: dict[str, str], cache: Path, repeat: int,
+                              tmp: Path) -> dict[str, Any]:
+    """Bubblewrap's `exec` of `true` and snapshot on the same task, for the comparison."""
+    base = SandboxConfig(limits=Limits(cpu_s=600.0, wall_s=600.0))
+    config = Environments(images, None, cache).sandbox_config(task, base)
+    execs, snaps = [], []
+    with sandboxed_runtime(config) as rt:
+        prepare(task, rt)
+        for i in range(repeat):
+            t0 = time.perf_counter()
+            rt.exec("true", 30.0)
+            t1 = time.perf_counter()
+            rt.snapshot(tmp / f"bwrap-snap-{i}")
+            execs.append(t1 - t0)
+            snaps.append(time.perf_counter() - t1)
+    return {"exec_true": _stats(execs), "snapshot": _stats(snaps)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="swe-mini", help="a directory of tasks, or swe-mini")
     ap.add_argument("--n", type=int, default=3, help="tasks to measure (the first n)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--image", action="append", default=[], help="REF=DIR (repeatable)")
+    ap.add_argument("--container", action="append", default=[],
+                    help="REF=IMAGE: also on the container runtime, FROM REF mapped to the "
+                         "engine's IMAGE (repeatable)")
     args = ap.parse_args()
     images = dict(pair.split("=", 1) for pair in args.image)
+    engine_images = dict(pair.split("=", 1) for pair in args.container)
     tasks = load_tasks(args.tasks)[: args.n]
     with tempfile.TemporaryDirectory(prefix="tidal-bench-envs-") as d:
         rows = [bench_task(t, images, Path(d) / "envs", args.repeat) for t in tasks]
+        if engine_images:
+            for t, row in zip(tasks, rows, strict=True):
+                row["bwrap_exec_snapshot"] = bench_bwrap_exec_snapshot(
+                    t, images, Path(d) / "envs", args.repeat, Path(d))
+                row["container"] = bench_container(t, engine_images, args.repeat, Path(d))
     medians = [r["overhead_total"]["median_ms"] for r in rows]
     print(json.dumps({
         "tasks": rows,

@@ -77,9 +77,6 @@ def test_the_newer_task_table_and_env_fields_read(tmp_path: Path) -> None:
         ({"test_sh": None}, "tests/test.sh", "missing"),
         ({"dockerfile": None, "toml": "version = \"1.0\"\n"}, "environment/Dockerfile",
          "names no [environment] docker_image"),
-        ({"dockerfile": "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y curl\n"},
-         "environment/Dockerfile", "line 2"),
-        ({"dockerfile": "FROM a\nFROM b\n"}, "environment/Dockerfile", "line 2"),
         ({"toml": "[verifier]\nenvironment_mode = \"host\"\n"}, "task.toml",
          "[verifier].environment_mode must be one of pristine, separate, shared"),
         ({"toml": "[verifier]\ncarry_paths = [\"app\"]\n"}, "task.toml",
@@ -110,6 +107,19 @@ def test_a_malformed_task_is_refused_naming_the_task_and_the_file(
     assert (e.value.task, e.value.file) == ("broken-1", file)
     assert problem in e.value.problem, e.value.problem
     assert str(e.value).startswith(f"task 'broken-1': {file}: ")
+
+
+@pytest.mark.parametrize("dockerfile", [
+    "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y curl\n",
+    "FROM a\nFROM b\n"])
+def test_a_dockerfile_beyond_tidals_builder_loads_and_is_refused_when_tidal_builds_it(
+        tmp_path: Path, dockerfile: str) -> None:
+    # the container engine builds it as written (tests/agent/test_taskcheck.py); tidal's
+    # own builder names the line it cannot build, before any episode runs
+    task = load_task(write_task(tmp_path, "beyond", dockerfile=dockerfile))
+    envs = Environments(dict(IMAGES), None, tmp_path / "envs")
+    with pytest.raises(TaskError, match=r"task 'beyond': .*line 2"):
+        envs.environment(task)
 
 
 def test_a_separate_verifier_image_is_refused_by_name(tmp_path: Path) -> None:

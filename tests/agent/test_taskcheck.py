@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from tests.agent.harbor_tasks import write_task
@@ -92,4 +93,119 @@ def test_a_network_the_sandbox_does_not_give_is_noted(tmp_path: Path) -> None:
     code, out, err = _check(str(tmp_path), "--image", "ubuntu:24.04=default", "--json")
     assert code == 0, out + err
     (task,) = json.loads(out)["tasks"]
-    assert "network_mode is 'public': tidal's sandboxes have no network" in task["notes"]
+    assert "network_mode is 'public': tidal's bubblewrap sandboxes have no network" in task["notes"]
+
+
+# --------------------------------------------------------------------------- containers
+
+BASE = "localhost/tidal-base:bookworm"  # .ci/podman.sh's image: Debian, python3, procps
+HARBOR_TEMPLATE = next(
+    (Path(__file__).resolve().parents[2] / ".venv-harbor" / "lib").glob(
+        "python3.*/site-packages/harbor/cli/template-task"), None)
+
+
+def _engine_problem() -> str | None:
+    """Why the container checks cannot run here (None: they can)."""
+    from tidal.agent.containers import ContainerError, connect
+
+    try:
+        connect().images.get(BASE)
+    except ContainerError as e:
+        return f"no container engine answers ({e})"
+    except Exception as e:
+        return f"the engine has no {BASE} ({type(e).__name__}): run .ci/podman.sh"
+    return None
+
+
+needs_engine = pytest.mark.skipif(_engine_problem() is not None,
+                                  reason=str(_engine_problem()))
+
+
+def _from_harbor_template(root: Path) -> Path:
+    """A task made as `harbor tasks init` makes one (its own template), then filled in."""
+    import shutil
+
+    assert HARBOR_TEMPLATE is not None
+    d = root / "greeting-template"
+    shutil.copytree(HARBOR_TEMPLATE, d)
+    (d / "instruction.md").write_text("Write the word hello to /app/greeting.txt.\n")
+    (d / "solution" / "solve.sh").write_text("#!/bin/bash\necho hello > /app/greeting.txt\n")
+    (d / "tests" / "test.sh").write_text(
+        '#!/bin/bash\nif [ "$(cat /app/greeting.txt 2>/dev/null)" = hello ]; then\n'
+        "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\n"
+        "fi\n")
+    return d
+
+
+PY_TEST = ("#!/usr/bin/env python3\nimport json, pathlib\n"
+           "p = pathlib.Path('/app/sum.txt')\n"
+           "ok = p.exists() and p.read_text().strip() == '42'\n"
+           "json.dump({'correct': int(ok), 'exists': int(p.exists())},\n"
+           "          open('/logs/verifier/reward.json', 'w'))\n")
+
+
+@needs_engine
+@pytest.mark.skipif(HARBOR_TEMPLATE is None, reason=".venv-harbor does not exist: run "
+                    ".ci/harbor-venv.sh")
+def test_tasks_written_for_docker_pass_on_the_container_runtime(tmp_path: Path) -> None:
+    _from_harbor_template(tmp_path)
+    write_task(tmp_path, "hello-world")  # Terminal-Bench 2's hello-world shape
+    # a RUN that the bubblewrap builder refuses (the network), built by the engine
+    write_task(tmp_path, "sum-python", dockerfile=(
+        "FROM ubuntu:24.04\nRUN mkdir -p /app && printf '40\\n2\\n' > /app/numbers.txt\n"
+        "RUN useradd --create-home agent\nWORKDIR /app\n"),
+        instruction="Write the sum of the numbers in /app/numbers.txt to /app/sum.txt.",
+        solve_sh="#!/bin/bash\npaste -sd+ numbers.txt | bc > sum.txt 2>/dev/null || "
+                 "python3 -c \"print(sum(map(int, open('numbers.txt'))))\" > sum.txt\n",
+        test_sh=PY_TEST, toml='[verifier]\nreward_key = "correct"\n'
+                              '[environment]\nnetwork_mode = "no-network"\n')
+    code, out, err = _check(str(tmp_path), "--sandbox", "docker", "--image",
+                            f"ubuntu:24.04={BASE}", "--json")
+    assert code == 0, out + err
+    by = {t["task"]: t for t in json.loads(out)["tasks"]}
+    assert set(by) == {"greeting-template", "hello-world", "sum-python"}
+    for name, t in by.items():
+        assert t["ok"] and t["oracle_reward"] == 1.0, (name, t)
+        assert t["untouched_reward"] is not None and t["untouched_reward"] < 1.0, (name, t)
+    assert any("storage_mb" in n for n in by["hello-world"]["notes"])  # said, not pretended
+
+
+@needs_engine
+def test_the_docker_check_names_an_unmapped_from_and_refuses_fallback(tmp_path: Path) -> None:
+    write_task(tmp_path, "unmapped", dockerfile="FROM alpine:3.20\nWORKDIR /app\n")
+    code, out, err = _check(str(tmp_path), "--sandbox", "docker", "--json")
+    assert code == 1
+    (task,) = json.loads(out)["tasks"]
+    assert "alpine:3.20 is not in the engine and not mapped" in task["problems"][0]["problem"]
+    assert "--image alpine:3.20=IMAGE" in task["problems"][0]["problem"]
+    code, _, err = _check(str(tmp_path), "--sandbox", "docker", "--fallback", "default")
+    assert code == 2 and "--fallback is for --sandbox bwrap" in err
+
+
+def _debian_mirror_problem() -> str | None:
+    import socket
+
+    try:
+        socket.create_connection(("deb.debian.org", 80), timeout=5).close()
+    except OSError as e:
+        return f"deb.debian.org is not reachable ({e}): the build's apt-get needs it"
+    return None
+
+
+@needs_engine
+@pytest.mark.skipif(_debian_mirror_problem() is not None, reason=str(_debian_mirror_problem()))
+def test_a_task_whose_dockerfile_runs_apt_get_builds_and_passes(tmp_path: Path) -> None:
+    # the line every one of 3,566 third-party tasks failed on under tidal's own builder
+    write_task(tmp_path, "json-field", dockerfile=(
+        "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y --no-install-recommends"
+        " jq && rm -rf /var/lib/apt/lists/*\nWORKDIR /app\n"
+        "RUN echo '{\"name\": \"tidal\"}' > /app/data.json\n"),
+        instruction="Write the value of the name field of /app/data.json to /app/name.txt.",
+        solve_sh="#!/bin/bash\njq -r .name data.json > name.txt\n",
+        test_sh='#!/bin/bash\n[ "$(cat /app/name.txt 2>/dev/null)" = tidal ] && echo 1 > '
+                "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    code, out, err = _check(str(tmp_path), "--sandbox", "docker", "--image",
+                            f"ubuntu:24.04={BASE}", "--json")
+    assert code == 0, out + err
+    (task,) = json.loads(out)["tasks"]
+    assert (task["oracle_reward"], task["untouched_reward"]) == (1.0, 0.0), task

@@ -119,6 +119,6 @@ def test_a_broken_task_stops_the_run_before_it_starts(tmp_path: Path) -> None:
     cfg = parse_config(_config(tasks, {"harness": "command", "command": "true"}))
     out = tmp_path / "run"
     with pytest.raises(RunError,
-                       match=r"task 'fetches': environment/Dockerfile: line 2: .*network"):
+                       match=r"task 'fetches': .*environment/Dockerfile:? line 2: .*network"):
         run(cfg, out)
     assert not (out / "config.toml").exists()  # nothing to resume: run it again once fixed

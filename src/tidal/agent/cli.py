@@ -33,7 +33,13 @@ def check_cmd(
     *,
     image: Annotated[list[str] | None, typer.Option(
         "--image", help="REF=DIR: build FROM REF (or docker_image REF) on the image directory DIR, "
-                        "or on tidal's default image with DIR = default (repeatable).")] = None,
+                        "or on tidal's default image with DIR = default (repeatable). With "
+                        "--sandbox docker, REF=IMAGE: a local engine image.")] = None,
+    sandbox: Annotated[str, typer.Option(
+        help="bwrap: tidal's bubblewrap sandboxes, on environments tidal builds; docker: "
+             "containers on a Docker-API engine (Docker, or podman's service: $DOCKER_HOST, "
+             "else .ci/podman.sh's socket), environments built by the engine as written.",
+    )] = "bwrap",
     fallback: Annotated[str | None, typer.Option(
         help="What an unmapped FROM gets: `default` (tidal's default image) or a directory; "
              "without it an unmapped FROM is an error.")] = None,
@@ -44,18 +50,33 @@ def check_cmd(
 ) -> None:
     """Every task's oracle must earn 1 and its untouched environment less than 1; exits
     1 naming each broken task and the file at fault."""
-    from tidal.agent.environment import Environments
-    from tidal.agent.sandboxed import sandboxed_runtime
-    from tidal.agent.taskcheck import check_tasks
+    from tidal.agent.taskcheck import TaskRuntimes, check_tasks
     from tidal.agent.tasks import TaskError
-    from tidal.engine.tiny import default_cache_root
-    from tidal.sandbox import Limits, SandboxConfig, SandboxError
+    from tidal.sandbox import SandboxError
 
-    envs = Environments(parse_images(image), fallback,
-                        cache_dir or default_cache_root() / "envs")
-    base = SandboxConfig(limits=Limits(cpu_s=3600.0, wall_s=3600.0))
+    runtimes: TaskRuntimes
     try:
-        results = check_tasks(directory, envs, sandboxed_runtime, base, jobs=jobs)
+        if sandbox == "docker":
+            from tidal.agent.containers import ContainerEnvironments, ContainerRuntimes, connect
+
+            if fallback is not None:
+                raise typer.BadParameter("--fallback is for --sandbox bwrap: with docker, map "
+                                         "each FROM with --image REF=IMAGE")
+            runtimes = ContainerRuntimes(ContainerEnvironments(connect(), parse_images(image)))
+        elif sandbox == "bwrap":
+            from tidal.agent.environment import Environments
+            from tidal.agent.sandboxed import sandboxed_runtime
+            from tidal.agent.taskcheck import SandboxRuntimes
+            from tidal.engine.tiny import default_cache_root
+            from tidal.sandbox import Limits, SandboxConfig
+
+            envs = Environments(parse_images(image), fallback,
+                                cache_dir or default_cache_root() / "envs")
+            runtimes = SandboxRuntimes(envs, sandboxed_runtime, SandboxConfig(
+                limits=Limits(cpu_s=3600.0, wall_s=3600.0)))
+        else:
+            raise typer.BadParameter(f"--sandbox must be bwrap or docker, got {sandbox!r}")
+        results = check_tasks(directory, runtimes, jobs=jobs)
     except (TaskError, SandboxError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

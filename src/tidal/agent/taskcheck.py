@@ -1,10 +1,13 @@
 """`tidal tasks check`: does every task in a directory grade what it should?
 
 For each task directory: it must load (instruction.md, task.toml, tests/test.sh, a
-Dockerfile inside the subset tidal builds), its environment must build, its untouched
+Dockerfile or a docker_image), its environment must build (tidal's own builder takes a
+subset of Dockerfiles; the container engine takes them as written), its untouched
 environment must earn less than 1 (else the tests pass without any agent), and its
 oracle (solution/solve.sh, when the task has one) must earn exactly 1. Each check runs
-in a fresh sandbox built exactly as an episode's is. A problem names the file at fault.
+in a fresh runtime built exactly as an episode's is: a bubblewrap sandbox
+(`SandboxRuntimes`) or a container (`tidal.agent.containers.ContainerRuntimes`), behind
+the one seam `TaskRuntimes`. A problem names the file at fault.
 """
 
 from __future__ import annotations
@@ -14,14 +17,49 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from tidal.agent.environment import Environments
 from tidal.agent.harbor import HarborTaskError, load_task, run_oracle, task_dirs
 from tidal.agent.runtime import ToolRuntime
-from tidal.agent.tasks import Grade, TaskError, prepare
+from tidal.agent.tasks import Grade, Task, TaskError, prepare
 from tidal.sandbox import SandboxConfig
 
 RuntimeFactory = Callable[[SandboxConfig], AbstractContextManager[ToolRuntime]]
+
+
+class TaskRuntimes(Protocol):
+    """Where a task's checks run. `notes` builds the task's environment (a TaskError
+    says why it cannot be built) and says what the verdict must (what the runtime does
+    not do as the task asks); `runtime` is a fresh runtime of that environment."""
+
+    def notes(self, task: Task) -> list[str]: ...
+
+    def runtime(self, task: Task) -> AbstractContextManager[ToolRuntime]: ...
+
+
+@dataclass(frozen=True)
+class SandboxRuntimes:
+    """Bubblewrap sandboxes of the environments tidal builds (`Environments`)."""
+
+    environments: Environments
+    new_runtime: RuntimeFactory
+    base: SandboxConfig
+
+    def notes(self, task: Task) -> list[str]:
+        env = self.environments.environment(task)
+        notes = []
+        if task.environment is not None and task.environment.network_mode != "no-network":
+            notes.append(f"network_mode is {task.environment.network_mode!r}: tidal's "
+                         "bubblewrap sandboxes have no network")
+        if env is not None and env.fallback_for is not None:
+            notes.append(f"checked on --fallback {self.environments.fallback}, not on "
+                         f"{env.fallback_for!r} (not mapped): this verdict is not the named "
+                         "image's")
+        return notes
+
+    def runtime(self, task: Task) -> AbstractContextManager[ToolRuntime]:
+        return self.new_runtime(self.environments.sandbox_config(task, self.base))
 
 
 @dataclass(frozen=True)
@@ -59,28 +97,19 @@ def _graded(grade: Grade, what: str) -> tuple[float | None, list[Problem]]:
     return grade.reward, []
 
 
-def check_task(path: Path, environments: Environments, new_runtime: RuntimeFactory,
-               base: SandboxConfig) -> TaskCheck:
+def check_task(path: Path, runtimes: TaskRuntimes) -> TaskCheck:
     """Load, build and grade one task directory twice: untouched and after the oracle."""
     try:
         task = load_task(path)
     except HarborTaskError as e:
         return TaskCheck(path.name, problems=(Problem(e.file, e.problem),))
-    notes = []
-    if task.environment is not None and task.environment.network_mode != "no-network":
-        notes.append(f"network_mode is {task.environment.network_mode!r}: tidal's sandboxes "
-                     "have no network")
     try:
-        config = environments.sandbox_config(task, base)
-        env = environments.environment(task)
+        notes = runtimes.notes(task)
     except TaskError as e:
         return TaskCheck(task.task_id, problems=(Problem("environment/Dockerfile",
-                         str(e).removeprefix(f"task {task.task_id!r}: ")),), notes=tuple(notes))
-    if env is not None and env.fallback_for is not None:
-        notes.append(f"checked on --fallback {environments.fallback}, not on {env.fallback_for!r}"
-                     " (not mapped): this verdict is not the named image's")
+                         str(e).removeprefix(f"task {task.task_id!r}: ")),))
     problems: list[Problem] = []
-    with new_runtime(config) as rt:
+    with runtimes.runtime(task) as rt:
         prepare(task, rt)
         rt.end_agent(task.verifier_carry)
         untouched, found = _graded(task.grader.grade(rt), "untouched environment")
@@ -92,7 +121,7 @@ def check_task(path: Path, environments: Environments, new_runtime: RuntimeFacto
     if task.oracle is None:
         notes.append("no solution/solve.sh: the oracle is not checked")
     else:
-        with new_runtime(config) as rt:
+        with runtimes.runtime(task) as rt:
             prepare(task, rt)
             why = run_oracle(task, rt)
             if why is not None:
@@ -107,9 +136,8 @@ def check_task(path: Path, environments: Environments, new_runtime: RuntimeFacto
     return TaskCheck(task.task_id, oracle, untouched, tuple(problems), tuple(notes))
 
 
-def check_tasks(root: Path | str, environments: Environments, new_runtime: RuntimeFactory,
-                base: SandboxConfig, *, jobs: int = 2) -> list[TaskCheck]:
+def check_tasks(root: Path | str, runtimes: TaskRuntimes, *, jobs: int = 2) -> list[TaskCheck]:
     """`check_task` for every task directory under `root`, `jobs` at a time, by name."""
     dirs: Sequence[Path] = task_dirs(root)
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="taskcheck") as pool:
-        return list(pool.map(lambda p: check_task(p, environments, new_runtime, base), dirs))
+        return list(pool.map(lambda p: check_task(p, runtimes), dirs))
