@@ -12,7 +12,7 @@ import pytest
 from tidal.agent.environment import Environments
 from tidal.agent.harbor import HARBOR_SETS, VerifierScript, load_tasks
 from tidal.agent.sandboxed import sandboxed_runtime
-from tidal.agent.taskcheck import check_tasks
+from tidal.agent.taskcheck import SandboxRuntimes, check_tasks
 from tidal.sandbox import Limits, SandboxConfig
 
 SWE_MINI = HARBOR_SETS["swe-mini"]
@@ -36,8 +36,9 @@ def test_swe_mini_is_varied_and_well_formed() -> None:
 
 @pytest.mark.slow
 def test_every_swe_mini_oracle_earns_1_and_no_untouched_repository_does(tmp_path: Path) -> None:
-    results = check_tasks("swe-mini", Environments({}, None, tmp_path / "envs"),
-                          sandboxed_runtime, SandboxConfig(limits=Limits(cpu_s=600.0)))
+    results = check_tasks("swe-mini", SandboxRuntimes(
+        Environments({}, None, tmp_path / "envs"), sandboxed_runtime,
+        SandboxConfig(limits=Limits(cpu_s=600.0))))
     broken = {r.task: r.problems for r in results if not r.ok}
     assert not broken, broken
     assert all(r.oracle_reward == 1.0 for r in results)

@@ -28,7 +28,8 @@ IGNORED = frozenset({"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "VOLU
                      "HEALTHCHECK", "STOPSIGNAL"})
 
 REMEDY_NETWORK = ("tidal builds without network: install this in a base image directory and "
-                  "map FROM to it in [environment] images")
+                  "map FROM to it in [environment] images, or check the task on a container "
+                  "engine, which builds it as written (`tidal tasks check --sandbox docker`)")
 REMEDY_UNMAPPED = ("map it to a local image directory (`tidal tasks check --image REF=DIR`; in a "
                    "run, [environment] images), or build on tidal's default image instead "
                    "(`--fallback default`; in a run, [environment] fallback = \"default\")")
