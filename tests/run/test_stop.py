@@ -14,8 +14,8 @@ STUCK = textwrap.dedent("""
     import subprocess, time
     from tidal.run.stop import RunStopped, stop_on_signals
     child = subprocess.Popen(["sleep", "300"])
-    print(child.pid, flush=True)
     with stop_on_signals(1.0):
+        print(child.pid, flush=True)  # the handler is in place: the test may signal now
         try:
             while True:
                 time.sleep(0.05)
