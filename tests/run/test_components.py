@@ -136,7 +136,9 @@ def test_harnesses_resolve_by_name(user_module: str) -> None:
         ({"agent": {"command": "x"}}, "only used with agent.harness"),
         ({"agent": {"mounts": ["relative:/opt"]}}, "agent.mounts"),
         ({"agent": {"harness": "command", "command": "x"}}, "set warmstart.steps = 0"),
-        ({"rollout": {"sandbox": "docker"}}, "rollout.sandbox 'docker' is neither"),
+        ({"rollout": {"sandbox": "podman"}}, "rollout.sandbox 'podman' is neither"),
+        ({"rollout": {"sandbox": "docker"}}, r"not available to `tidal run` yet .* `tidal "
+                                             r"tasks check DIR --sandbox docker`"),
         ({"engine": {"kind": "vllm-magic"}}, "engine.kind"),
         ({"schedule": {"backend": "slurm"}}, "schedule.backend"),
         ({"environment": {"imagez": {}}}, r"environment\.imagez: unknown key"),

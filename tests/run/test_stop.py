@@ -15,8 +15,8 @@ STUCK = textwrap.dedent("""
     from tidal.run.stop import RunStopped, stop_on_signals
     child = subprocess.Popen(["sleep", "300"])
     with stop_on_signals(1.0):
-        print(child.pid, flush=True)  # the handler is in place: the test may signal now
         try:
+            print(child.pid, flush=True)  # the handler and the `except` are in place
             while True:
                 time.sleep(0.05)
         except RunStopped:
