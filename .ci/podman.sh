@@ -55,8 +55,9 @@ for p in podman runc conmon containernetworking-plugins catatonit iptables deboo
 done
 if [ ${#need[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    # wait for another apt (make test runs installs side by side) instead of failing
+    apt-get -o DPkg::Lock::Timeout=300 update -qq
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${need[@]}" >/dev/null
     log "installed ${need[*]}"
 fi
 
