@@ -58,18 +58,23 @@ def _text(rng: np.random.Generator, n: int) -> str:
     return rng.integers(97, 123, n, dtype=np.uint8).tobytes().decode()
 
 
+def _write(path: Path, calls: list[Call]) -> tuple[float, dict[str, int]]:
+    """Append `calls` one by one to a new store at `path`: seconds taken, its stats."""
+    with LedgerStore(path) as store:
+        t0 = time.perf_counter()
+        for c in calls:
+            store.append_call(c)
+        return time.perf_counter() - t0, store.stats()
+
+
 def with_messages(n_calls: int, total_tokens: int, plain_bytes: int) -> dict[str, object]:
     calls = synthetic_session(n_calls, total_tokens, messages=True)
     last = calls[-1].messages or []
     text = sum(len(str(m["content"])) for m in last)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "bench.db"
-        with LedgerStore(path) as store:
-            t0 = time.perf_counter()
-            for c in calls:
-                store.append_call(c)
-            write_s = time.perf_counter() - t0
-            size = store.stats()["bytes"]
+        write_s, stats = _write(path, calls)
+        size = stats["bytes"]
         with LedgerStore(path, readonly=True) as store:
             t0 = time.perf_counter()
             log = store.call_log("bench")
@@ -90,12 +95,7 @@ def run(n_calls: int, total_tokens: int) -> dict[str, float | int | bool]:
     calls = synthetic_session(n_calls, total_tokens)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "bench.db"
-        with LedgerStore(path) as store:
-            t0 = time.perf_counter()
-            for c in calls:
-                store.append_call(c)
-            write_s = time.perf_counter() - t0
-            stats = store.stats()
+        write_s, stats = _write(path, calls)
         with LedgerStore(path, readonly=True) as store:
             tracemalloc.start()
             t0 = time.perf_counter()
