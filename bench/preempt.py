@@ -77,6 +77,7 @@ import openai._base_client  # noqa: E402
 import openai.resources.chat.completions  # noqa: E402
 from tests.gateway.scripted_engine import ScriptedEngine  # noqa: E402
 
+from tidal.agent.environment import SandboxRuntimes  # noqa: E402
 from tidal.agent.harness import AgentConfig, BuiltinHarness  # noqa: E402
 from tidal.agent.preempt import LiveEpisodes, SnapshotPolicy  # noqa: E402
 from tidal.agent.runtime import ToolRuntime  # noqa: E402
@@ -351,10 +352,6 @@ class Bench:
         store = LedgerStore(work / "ledger.db")
         srv = GatewayServer(engine, self.tokenizer, store, port=0)
         srv.start()
-        live = (LiveEpisodes(work / "live", store, srv.gateway, policy)
-                if policy is not None else None)
-        if live is not None:
-            srv.gateway.on_record.append(live.note_call)
         snaps: list[float] = []
         snap_path = work / "end.tar"
 
@@ -369,6 +366,11 @@ class Bench:
                     snaps.append(time.perf_counter() - t)
                 timers.paused = False
 
+        runtimes = SandboxRuntimes(runtime)
+        live = (LiveEpisodes(work / "live", store, srv.gateway, runtimes, policy)
+                if policy is not None else None)
+        if live is not None:
+            srv.gateway.on_record.append(live.note_call)
         if stall:
             assert live is not None
             engine.stall_at = self.n + 1
@@ -379,7 +381,7 @@ class Bench:
                     {"snapshots": live.snapshots, "snapshot_s": live.snapshot_s}))
             engine.on_stall = on_stall
 
-        plain = Rollouts(srv.base_url, "scripted", self.harness, runtime, store,
+        plain = Rollouts(srv.base_url, "scripted", self.harness, runtimes, store,
                          time_limit_s=3600.0, forget=srv.gateway.forget_session)
         rollouts = plain if live is None else LiveRollouts(plain, live)
         try:

@@ -107,3 +107,44 @@ def write_task(
 
 # the images map a test run uses: TB2's FROM ubuntu:24.04 on tidal's default image
 IMAGES = {"ubuntu:24.04": "default"}
+
+
+# --------------------------------------------------------------------------- containers
+
+BASE = "localhost/tidal-base:bookworm"  # .ci/podman.sh's image: Debian, python3, procps
+HARBOR_TEMPLATE = next(
+    (Path(__file__).resolve().parents[2] / ".venv-harbor" / "lib").glob(
+        "python3.*/site-packages/harbor/cli/template-task"), None)
+
+
+def engine_problem() -> str | None:
+    """Why the container tests cannot run here (None: they can)."""
+    import os
+
+    from tidal.agent.containers import ContainerError, connect
+
+    try:
+        connect().images.get(BASE)
+    except ContainerError as e:
+        return f"no container engine answers ({e})"
+    except Exception as e:
+        return f"the engine has no {BASE} ({type(e).__name__}): run .ci/podman.sh"
+    if os.geteuid() != 0:
+        return "the container runtime kills timed-out commands by host pid: needs root"
+    return None
+
+
+def from_harbor_template(root: Path, name: str = "greeting-template") -> Path:
+    """A task made as `harbor tasks init` makes one (its own template), then filled in."""
+    import shutil
+
+    assert HARBOR_TEMPLATE is not None
+    d = root / name
+    shutil.copytree(HARBOR_TEMPLATE, d)
+    (d / "instruction.md").write_text("Write the word hello to /app/greeting.txt.\n")
+    (d / "solution" / "solve.sh").write_text("#!/bin/bash\necho hello > /app/greeting.txt\n")
+    (d / "tests" / "test.sh").write_text(
+        '#!/bin/bash\nif [ "$(cat /app/greeting.txt 2>/dev/null)" = hello ]; then\n'
+        "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\n"
+        "fi\n")
+    return d

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.gateway.scripted_engine import ScriptedEngine
+from tidal.agent.environment import SandboxRuntimes
 from tidal.agent.harness import AgentConfig, BuiltinHarness
 from tidal.agent.preempt import LiveEpisodes, SnapshotPolicy
 from tidal.agent.runtime import ToolRuntime
@@ -130,16 +131,19 @@ def build(out: Path, stall: tuple[str, int] | None) -> Parts:
     store = LedgerStore(out / "ledger.db")
     srv = GatewayServer(engine, tokenizer, store, port=0)
     srv.start()
-    live = LiveEpisodes(out / "live", store, srv.gateway, SnapshotPolicy(every_calls=1, every_s=0))
-    srv.gateway.on_record.append(live.note_call)
 
     @contextlib.contextmanager
     def runtime(config: SandboxConfig) -> Iterator[ToolRuntime]:
         with Sandbox(config) as sb:
             yield StallingRuntime(sb, stall, marker)
 
+    runtimes = SandboxRuntimes(runtime)
+    live = LiveEpisodes(out / "live", store, srv.gateway, runtimes,
+                        SnapshotPolicy(every_calls=1, every_s=0))
+    srv.gateway.on_record.append(live.note_call)
+
     cfg = AgentConfig(max_turns=TURNS + 3, tools=("bash", "read_file", "finish"), temperature=0)
-    rollouts = LiveRollouts(Rollouts(srv.base_url, "scripted", BuiltinHarness(cfg), runtime,
+    rollouts = LiveRollouts(Rollouts(srv.base_url, "scripted", BuiltinHarness(cfg), runtimes,
                                      store, forget=srv.gateway.forget_session), live)
     return Parts(engine, store, srv, live, rollouts,
                  Task("count", "Count to six in log.txt.", FilesGrader()))

@@ -5,7 +5,9 @@ test makes is removed; the module is skipped when no engine answers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ import pytest
 
 from tests.agent.harbor_tasks import write_task
 from tidal.agent.containers import (
+    SNAPSHOT_REPO,
     ContainerEnvironments,
     ContainerError,
     ContainerRuntime,
@@ -25,13 +28,14 @@ from tidal.agent.containers import (
     connect,
     container_runtime,
     from_references,
+    read_snapshot,
     remove_snapshot,
     spec_for,
 )
 from tidal.agent.harbor import load_task, run_oracle
 from tidal.agent.runtime import RuntimeToolError, ToolRuntime
 from tidal.agent.tasks import EnvironmentSpec, FileChecks, FileExists, Task, prepare
-from tidal.sandbox.types import ExecStatus
+from tidal.sandbox.types import ExecStatus, ReplayDivergenceError
 
 BASE = "localhost/tidal-base:bookworm"  # .ci/podman.sh's image: Debian, python3, procps
 
@@ -194,26 +198,82 @@ def test_the_memory_limit_kills_a_memory_hog() -> None:
         assert runtime.exec("echo alive", 10).stdout == "alive\n"
 
 
-def test_a_snapshot_restores_the_files(tmp_path: Path) -> None:
+def _snapshot_images() -> set[str]:
+    return {i.id for i in CLIENT.images.list(name=SNAPSHOT_REPO)}
+
+
+def test_a_snapshot_restores_the_files_and_replays_its_log_once(tmp_path: Path) -> None:
     snap = tmp_path / "snap" / "container.json"
+    before = _snapshot_images()
     with container_runtime(spec(env={"KEEP": "k"}), CLIENT) as runtime:
         runtime.write_file("work.txt", "kept")
-        sh(runtime, "sleep 300 >/dev/null 2>&1 &")
+        sh(runtime, "echo once >> log.txt; sleep 300 >/dev/null 2>&1 &")
+        with pytest.raises(FileNotFoundError):
+            runtime.read_file("missing.txt")
         runtime.snapshot(snap)
     try:
         back = ContainerRuntime.restore(snap, CLIENT)
         try:
+            assert back.replay_pending == 3
+            # the same operations again: answered from the log, nothing runs twice
+            back.write_file("work.txt", "kept")
+            again = back.exec("echo once >> log.txt; sleep 300 >/dev/null 2>&1 &", 30)
+            assert again.replayed and again.exit_code == 0
+            with pytest.raises(FileNotFoundError):
+                back.read_file("missing.txt")
+            assert back.replay_pending == 0
+            # then live, on the committed files
             assert back.read_file("/app/work.txt") == "kept"
+            assert back.read_file("log.txt") == "once\n"
             assert sh(back, "echo $KEEP; pwd") == "k\n/app\n"
             assert back.exec("pgrep -f 'sleep 30[0]'", 10).exit_code == 1  # processes are not kept
             assert back.pristine.image == BASE  # the verifier's image is still the task's
+            back.snapshot(snap)  # a restored runtime snapshots again, its whole log kept
+            assert len(read_snapshot(snap)["log"]) == 7  # type: ignore[arg-type]
         finally:
             back.close()
+        # the first image stays while the restored container ran from it (a new
+        # snapshot at the path removes only unused ones); remove_snapshot takes both
+        assert len(_snapshot_images() - before) == 2
     finally:
         remove_snapshot(snap, CLIENT)
-    assert not snap.exists()
+    assert not snap.exists() and _snapshot_images() == before
     with pytest.raises(ContainerError, match="cannot read"):
         ContainerRuntime.restore(snap, CLIENT)
+
+
+def test_a_restored_runtime_refuses_an_operation_off_its_log(tmp_path: Path) -> None:
+    snap = tmp_path / "snap.json"
+    with container_runtime(spec(), CLIENT) as runtime:
+        sh(runtime, "echo a > a.txt")
+        runtime.snapshot(snap)
+    try:
+        with contextlib.closing(ContainerRuntime.restore(snap, CLIENT)) as back, \
+                pytest.raises(ReplayDivergenceError, match=r"echo a > a\.txt"):
+            back.exec("echo b > b.txt", 10)
+    finally:
+        remove_snapshot(snap, CLIENT)
+
+
+def test_a_snapshot_waits_for_a_running_command(tmp_path: Path) -> None:
+    """A command running when the snapshot is asked for ends first, and is in the log:
+    the committed files and the log agree."""
+    snap = tmp_path / "snap.json"
+    with container_runtime(spec(), CLIENT) as runtime:
+        worker = threading.Thread(target=sh, args=(runtime, "sleep 1; echo done > slow.txt"))
+        worker.start()
+        time.sleep(0.3)
+        runtime.snapshot(snap)
+        worker.join()
+    try:
+        log = read_snapshot(snap)["log"]
+        assert [e["args"]["command"] for e in log] == [  # type: ignore[index, union-attr]
+            "sleep 1; echo done > slow.txt"]
+        with contextlib.closing(ContainerRuntime.restore(snap, CLIENT)) as back:
+            back.exec("sleep 1; echo done > slow.txt", 10)  # replayed
+            assert back.read_file("slow.txt") == "done\n"
+    finally:
+        remove_snapshot(snap, CLIENT)
 
 
 @pytest.fixture(scope="module")

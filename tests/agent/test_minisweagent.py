@@ -29,6 +29,7 @@ pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (mak
 
 from tests.gateway.scripted_engine import ScriptedEngine
 from tidal.agent import minisweagent as minisweagent_module
+from tidal.agent.environment import SandboxRuntimes
 from tidal.agent.episode import EpisodeContext, FunctionHarness, HarnessResult, run_task
 from tidal.agent.harness import AgentConfig
 from tidal.agent.minisweagent import MiniSweAgent, TidalEnvironment, run
@@ -167,7 +168,7 @@ def test_mini_swe_agent_solves_a_task_through_the_gateway_in_a_sandbox(
                         "warmstart": {"steps": 0}})
     harness = make_harness(cfg, AgentConfig())  # as `tidal run` makes it
     assert harness == FunctionHarness(run)
-    ro = Rollouts(srv.base_url, "scripted", harness, sandboxed_runtime, store)
+    ro = Rollouts(srv.base_url, "scripted", harness, SandboxRuntimes(sandboxed_runtime), store)
     ep = ro.one(TASK, "mini-e2e")
     assert (ep.status, ep.reward, ep.n_calls) == ("complete", 1.0, 2)
     outcome = store.outcome("mini-e2e")

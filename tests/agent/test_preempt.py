@@ -168,10 +168,12 @@ def test_pending_counts_the_snapshot_on_disk_not_the_record(tmp_path: Path) -> N
     """Killed after a snapshot is written (atomically) and before its record: the record
     still says 0 snapshots, but the resume restores the tar, so `snapshotted` lists it.
     A finished episode's leftovers and an episode never snapshotted are not listed."""
+    from tidal.agent.environment import SandboxRuntimes
     from tidal.agent.preempt import EpisodeRecord, LiveEpisodes
+    from tidal.agent.sandboxed import sandboxed_runtime
 
     with LedgerStore(tmp_path / "ledger.db") as store:
-        live = LiveEpisodes(tmp_path / "live", store, replay=None)
+        live = LiveEpisodes(tmp_path / "live", store, None, SandboxRuntimes(sandboxed_runtime))
         key = live.open_group([("t", "s-a"), ("t", "s-b"), ("t", "s-c")])
         d = tmp_path / "live" / key
         for sid in ("s-a", "s-b"):

@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
+from tidal.agent.containers import from_references
 from tidal.agent.harbor import load_tasks
 from tidal.agent.shellskills import (
     _POOLS,
+    BASE_IMAGE,
     COMPLETE_MARKER,
     MAX_FILE_BYTES,
     SHELL_SKILLS_VERSION,
@@ -28,6 +30,7 @@ from tidal.agent.shellskills import (
     ensure_shell_skills,
     generate,
 )
+from tidal.sandbox.dockerfile import parse_dockerfile
 
 ANSWER_SKILLS = [s for s in SKILLS if s not in ("fix-config", "rename-ext")]
 COUNTS = {"train": 30, "heldout": 8}
@@ -119,7 +122,10 @@ def test_the_set_loads_as_harbor_tasks_with_every_skill(root: Path) -> None:
 
 
 def test_answers_stay_out_of_the_environment_and_solutions_match(root: Path) -> None:
-    dockerfile = "FROM tidal/default\nWORKDIR /app\nCOPY files/ /app/\n"
+    dockerfile = ('FROM python:3.11-slim-bookworm\nLABEL tidal.image="default"\nWORKDIR /app\n'
+                  "COPY files/ /app/\n")
+    assert from_references(dockerfile) == [BASE_IMAGE] == ["python:3.11-slim-bookworm"]
+    assert parse_dockerfile(dockerfile, "Dockerfile").declares_default_image
     for task in sorted(p for split in SPLITS for p in (root / split).iterdir()):
         env = task / "environment"
         assert (env / "Dockerfile").read_text() == dockerfile
@@ -305,9 +311,19 @@ def test_in_the_real_sandbox_the_demonstration_earns_full_reward(
     from tidal.agent.sandboxed import sandboxed_runtime
     from tidal.agent.tasks import demonstrations, prepare
     from tidal.sandbox import Limits, SandboxConfig
+    from tidal.sandbox.build import build_environment
 
     (task,) = load_tasks(_task(root, "heldout", skill, 0))
     envs = Environments({}, None, tmp_path / "cache")
+    env = envs.environment(task)  # on the default image, as its LABEL declares: no mapping
+    assert env is not None and env.image is None and env.declared_for == BASE_IMAGE
+    old = tmp_path / "old" / "Dockerfile"  # what the set said before it named BASE_IMAGE
+    old.parent.mkdir()
+    old.write_text("FROM tidal/default\nWORKDIR /app\nCOPY files/ /app/\n")
+    assert task.environment is not None and task.environment.context is not None
+    before = build_environment(old, context=task.environment.context, images={},
+                               fallback=None, cache_dir=tmp_path / "cache")
+    assert (before.key, before.layers, before.built) == (env.key, env.layers, False)
     limits = Limits(memory_bytes=256 << 20, cpu_s=60.0, wall_s=60.0, disk_bytes=64 << 20)
     config = envs.sandbox_config(task, SandboxConfig(limits=limits))
     with sandboxed_runtime(config) as rt:

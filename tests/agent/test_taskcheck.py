@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.agent.harbor_tasks import write_task
+from tests.agent.harbor_tasks import (
+    BASE,
+    HARBOR_TEMPLATE,
+    engine_problem,
+    from_harbor_template,
+    write_task,
+)
 from tidal.cli import app
 
 NO_REWARD = "#!/bin/bash\necho 'ran the tests, forgot the reward'\n"
@@ -98,43 +104,7 @@ def test_a_network_the_sandbox_does_not_give_is_noted(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- containers
 
-BASE = "localhost/tidal-base:bookworm"  # .ci/podman.sh's image: Debian, python3, procps
-HARBOR_TEMPLATE = next(
-    (Path(__file__).resolve().parents[2] / ".venv-harbor" / "lib").glob(
-        "python3.*/site-packages/harbor/cli/template-task"), None)
-
-
-def _engine_problem() -> str | None:
-    """Why the container checks cannot run here (None: they can)."""
-    from tidal.agent.containers import ContainerError, connect
-
-    try:
-        connect().images.get(BASE)
-    except ContainerError as e:
-        return f"no container engine answers ({e})"
-    except Exception as e:
-        return f"the engine has no {BASE} ({type(e).__name__}): run .ci/podman.sh"
-    return None
-
-
-needs_engine = pytest.mark.skipif(_engine_problem() is not None,
-                                  reason=str(_engine_problem()))
-
-
-def _from_harbor_template(root: Path) -> Path:
-    """A task made as `harbor tasks init` makes one (its own template), then filled in."""
-    import shutil
-
-    assert HARBOR_TEMPLATE is not None
-    d = root / "greeting-template"
-    shutil.copytree(HARBOR_TEMPLATE, d)
-    (d / "instruction.md").write_text("Write the word hello to /app/greeting.txt.\n")
-    (d / "solution" / "solve.sh").write_text("#!/bin/bash\necho hello > /app/greeting.txt\n")
-    (d / "tests" / "test.sh").write_text(
-        '#!/bin/bash\nif [ "$(cat /app/greeting.txt 2>/dev/null)" = hello ]; then\n'
-        "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\n"
-        "fi\n")
-    return d
+needs_engine = pytest.mark.skipif(engine_problem() is not None, reason=str(engine_problem()))
 
 
 PY_TEST = ("#!/usr/bin/env python3\nimport json, pathlib\n"
@@ -148,7 +118,7 @@ PY_TEST = ("#!/usr/bin/env python3\nimport json, pathlib\n"
 @pytest.mark.skipif(HARBOR_TEMPLATE is None, reason=".venv-harbor does not exist: run "
                     ".ci/harbor-venv.sh")
 def test_tasks_written_for_docker_pass_on_the_container_runtime(tmp_path: Path) -> None:
-    _from_harbor_template(tmp_path)
+    from_harbor_template(tmp_path)
     write_task(tmp_path, "hello-world")  # Terminal-Bench 2's hello-world shape
     # a RUN that the bubblewrap builder refuses (the network), built by the engine
     write_task(tmp_path, "sum-python", dockerfile=(

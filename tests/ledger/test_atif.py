@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 HARBOR_PYTHON = ROOT / ".venv-harbor" / "bin" / "python"
 
 
-def episode(store: LedgerStore) -> list[Call]:
+def episode(store: LedgerStore,
+            adjust: Callable[[list[Call]], list[Call]] | None = None) -> list[Call]:
     """A main session of 4 tool-calling turns whose third spawned a subagent, then a
-    compaction: a fresh context carrying a summary (declared by its parent call)."""
+    compaction: a fresh context carrying a summary (declared by its parent call); the
+    calls passed through `adjust` before they are appended."""
     main = chat_session("ep", 4)
     sub = [replace(c, parent_session_id="ep", parent_call_id="c2", role="subagent",
                    started_at=10.0 + i, ended_at=10.5 + i)
@@ -38,6 +41,8 @@ def episode(store: LedgerStore) -> list[Call]:
         messages=[last.messages[0], {"role": "user", "content": "Summary: 3 files."}],
         tools=last.tools, started_at=20.0, ended_at=20.5)
     calls = [*main[:3], *sub, main[3], fresh]
+    if adjust is not None:
+        calls = adjust(calls)
     store.append_calls(calls)
     store.append_outcome(make_outcome({"session_id": "ep", "status": "complete",
                                        "reward": 0.75, "partial_score": 0.75,

@@ -21,6 +21,7 @@ import pytest
 
 from tests.gateway.scripted_engine import ScriptedEngine
 from tidal.agent.command import CommandHarness
+from tidal.agent.environment import SandboxRuntimes
 from tidal.agent.episode import EpisodeContext, FunctionHarness, HarnessResult
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.sandboxed import sandboxed_runtime
@@ -116,8 +117,8 @@ def _rollouts(srv: GatewayServer, store: LedgerStore, agent: Path, mode: str, *,
                              env={"EXTRA": "1", "OTHER_PORT": str(OTHER_PORT)})
     base = SandboxConfig(allow_ports=(srv.port,), binds=(Bind(str(agent), "/opt/agent"),),
                          workdir="/work", limits=Limits(memory_bytes=256 << 20))
-    return Rollouts(srv.base_url, "scripted", harness, sandboxed_runtime, store, sandbox=base,
-                    time_limit_s=time_limit_s, log_dir=log_dir)
+    return Rollouts(srv.base_url, "scripted", harness, SandboxRuntimes(sandboxed_runtime, base),
+                    store, time_limit_s=time_limit_s, log_dir=log_dir)
 
 
 def test_a_command_harness_is_told_everything_by_its_environment(
@@ -133,7 +134,8 @@ def test_a_command_harness_is_told_everything_by_its_environment(
             seen.update(json.loads(rt.read_file("/tmp/env.json")))
 
     ro = _rollouts(srv, store, agent, "ok", log_dir=tmp_path / "logs")
-    ep = replace(ro, new_runtime=spy).one(TASK, "cmd-ok")
+    assert isinstance(ro.runtimes, SandboxRuntimes)
+    ep = replace(ro, runtimes=replace(ro.runtimes, new_runtime=spy)).one(TASK, "cmd-ok")
     assert (ep.status, ep.reward, ep.n_calls) == ("complete", 1.0, 1)
     url = f"{srv.base_url}/sessions/cmd-ok/task/answer-42/v1"
     assert seen["OPENAI_BASE_URL"] == seen["OPENAI_API_BASE"] == url
@@ -193,15 +195,16 @@ def test_a_function_harness_runs_its_tools_through_the_runtime(
         assert r.stdout.strip() == "sandbox"  # the command ran inside
         return None
 
-    ro = Rollouts(srv.base_url, "scripted", FunctionHarness(harness), sandboxed_runtime, store)
+    ro = Rollouts(srv.base_url, "scripted", FunctionHarness(harness),
+                  SandboxRuntimes(sandboxed_runtime), store)
     ep = ro.one(TASK, "fn-ok")
     assert (ep.status, ep.reward, ep.n_calls) == ("complete", 1.0, 1)
 
     def crashes(ctx: EpisodeContext) -> HarnessResult | None:
         raise RuntimeError("harness bug")
 
-    ep = Rollouts(srv.base_url, "scripted", FunctionHarness(crashes), sandboxed_runtime,
-                  store).one(TASK, "fn-crash")
+    ep = Rollouts(srv.base_url, "scripted", FunctionHarness(crashes),
+                  SandboxRuntimes(sandboxed_runtime), store).one(TASK, "fn-crash")
     assert ep.status == "infra_error"  # before any model call: masked, not punished
 
 
@@ -264,6 +267,6 @@ def test_unparsed_tool_calls_are_counted_per_episode(
         ctx.runtime.exec("printf 42 > answer.txt", 10)
         return None
 
-    ep = Rollouts(srv.base_url, "scripted", FunctionHarness(harness), sandboxed_runtime,
-                  store).one(TASK, "fn-parse")
+    ep = Rollouts(srv.base_url, "scripted", FunctionHarness(harness),
+                  SandboxRuntimes(sandboxed_runtime), store).one(TASK, "fn-parse")
     assert (ep.n_calls, ep.tool_parse_failures) == (2, 1)

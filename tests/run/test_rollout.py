@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.gateway.scripted_engine import ScriptedEngine
+from tidal.agent.environment import SandboxRuntimes
 from tidal.agent.harness import AgentConfig, BuiltinHarness
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import files_taskset
@@ -46,7 +47,8 @@ def live(tmp_path: Path) -> Iterator[tuple[GatewayServer, ScriptedEngine, Ledger
 
 def _rollouts(srv: GatewayServer, store: LedgerStore, **kw: Any) -> Rollouts:
     cfg = AgentConfig(max_turns=4, tools=("write_file", "finish"))
-    return Rollouts(srv.base_url, "scripted", BuiltinHarness(cfg), local_runtime, store, **kw)
+    return Rollouts(srv.base_url, "scripted", BuiltinHarness(cfg), SandboxRuntimes(local_runtime),
+                    store, **kw)
 
 
 @pytest.mark.parametrize("forget", [True, False])
@@ -82,7 +84,7 @@ def test_a_sandbox_that_fails_before_the_first_call_leaves_nothing_to_train(
 
     task = files_taskset().train[0]
     rollouts = Rollouts(srv.base_url, "scripted", BuiltinHarness(AgentConfig(max_turns=4)),
-                        broken, store)
+                        SandboxRuntimes(broken), store)
     ep = rollouts.one(task, "ep-broken")
     assert (ep.status, ep.session_ids, ep.n_calls) == ("infra_error", (), 0)
     outcome = store.outcome("ep-broken")

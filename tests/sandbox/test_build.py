@@ -178,6 +178,37 @@ def test_unmapped_from(tmp_path: Path, state_dir: Path) -> None:
         assert sb.exec("cat /x").stdout == "1\n"
 
 
+def test_a_declared_default_image_stands_in_where_nothing_maps_the_from(
+        tmp_path: Path, state_dir: Path) -> None:
+    """`LABEL tidal.image="default"`: the default image, in the layer `FROM tidal/default`
+    builds (the same key), named in `declared_for`; a mapping of the run still wins. The
+    same FROM without the label is refused, or built on the fallback as a fallback."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "main.py").write_text("print('main')\n")
+    body = "WORKDIR /app\nCOPY src/ /app/\n"
+    df = tmp_path / "Dockerfile"
+    df.write_text(f'FROM python:3.11-slim-bookworm\nLABEL tidal.image="default"\n{body}')
+    env = build(df, state_dir)
+    assert (env.image, env.declared_for, env.fallback_for) == (
+        None, "python:3.11-slim-bookworm", None)
+    with episode(env, state_dir) as sb:
+        assert sb.exec("python3 /app/main.py").stdout == "main\n"
+    old = tmp_path / "old" / "Dockerfile"
+    old.parent.mkdir()
+    old.write_text(f"FROM tidal/default\n{body}")
+    before = build_environment(old, context=tmp_path, images={}, fallback=None,
+                               cache_dir=tmp_path / "cache", state_dir=str(state_dir))
+    assert (before.key, before.layers, before.built) == (env.key, env.layers, False)
+    mapped = build(df, state_dir, images={"python:3.11-slim-bookworm": "default"},
+                   fallback=str(tmp_path))
+    assert (mapped.image, mapped.declared_for, mapped.fallback_for) == (None, None, None)
+    df.write_text(f"FROM python:3.11-slim-bookworm\n{body}")  # a third party's: no label
+    with pytest.raises(DockerfileError, match=r"'python:3\.11-slim-bookworm' is not mapped"):
+        build(df, state_dir)
+    fell_back = build(df, state_dir, fallback="default")
+    assert (fell_back.declared_for, fell_back.fallback_for) == (None, "python:3.11-slim-bookworm")
+
+
 def test_resolve_base(tmp_path: Path) -> None:
     img = tmp_path / "img"
     img.mkdir()
@@ -191,6 +222,12 @@ def test_resolve_base(tmp_path: Path) -> None:
     assert resolve_base("other", images, "default") is None
     with pytest.raises(DockerfileError, match="does not exist"):
         resolve_base("x", {"x": str(tmp_path / "missing")}, None, file="D", line=3)
+    # a Dockerfile's LABEL tidal.image="default": before the fallback, after the mapping
+    assert resolve_base("python:3.11-slim-bookworm", {}, None, declared_default=True) is None
+    assert resolve_base("python:3.11", {}, str(img), declared_default=True) is None
+    assert resolve_base("ubuntu:24.04", images, None, declared_default=True) == str(img)
+    with pytest.raises(DockerfileError, match="not mapped"):
+        resolve_base("python:3.11-slim-bookworm", {}, None)
 
 
 def test_user_image_directory_as_base(tmp_path: Path, image: Path, state_dir: Path) -> None:

@@ -9,6 +9,7 @@ import pickle
 import pytest
 
 from tidal.sandbox.dockerfile import (
+    DEFAULT_IMAGE_LABEL,
     REMEDY_NETWORK,
     Arg,
     Copy,
@@ -88,6 +89,22 @@ def test_every_supported_instruction() -> None:
                                         "HEALTHCHECK", "STOPSIGNAL"]
     assert all(isinstance(i, Ignored) for i in ins[19:])
     assert "TAG" not in df.env and df.builds_layer
+
+
+def test_labels_are_kept_and_tidal_image_declares_the_default_image() -> None:
+    df = parse_dockerfile(FULL, "D")
+    assert df.labels == {"org.example": "x y"} and not df.declares_default_image
+    df = parse_dockerfile('FROM python:3.11-slim-bookworm\nLABEL a=1 "b c"="d e"\n'
+                          "LABEL legacy some value\nLABEL tidal.image=\"default\"\n", "D")
+    assert df.labels == {"a": "1", "b c": "d e", "legacy": "some value",
+                         DEFAULT_IMAGE_LABEL: "default"}
+    assert df.declares_default_image and df.base == "python:3.11-slim-bookworm"
+    assert Ignored(4, "LABEL", 'tidal.image="default"') in df.instructions  # builds nothing
+    assert parse_dockerfile("FROM a\nLABEL unreadable\n", "D").labels == {}  # ignored, as before
+    for bad in ("LABEL tidal.image=/srv/rootfs", "LABEL tidal.image", "LABEL tidal.image=\"\""):
+        with pytest.raises(DockerfileError) as e:
+            parse_dockerfile(f"FROM a\nRUN true\n{bad}\n", "env/Dockerfile")
+        assert e.value.line == 3 and "tidal.image" in str(e.value), bad
 
 
 def test_no_layer_without_run_or_copy() -> None:

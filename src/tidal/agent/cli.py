@@ -50,7 +50,8 @@ def check_cmd(
 ) -> None:
     """Every task's oracle must earn 1 and its untouched environment less than 1; exits
     1 naming each broken task and the file at fault."""
-    from tidal.agent.taskcheck import TaskRuntimes, check_tasks
+    from tidal.agent.environment import TaskRuntimes
+    from tidal.agent.taskcheck import check_tasks
     from tidal.agent.tasks import TaskError
     from tidal.sandbox import SandboxError
 
@@ -64,16 +65,15 @@ def check_cmd(
                                          "each FROM with --image REF=IMAGE")
             runtimes = ContainerRuntimes(ContainerEnvironments(connect(), parse_images(image)))
         elif sandbox == "bwrap":
-            from tidal.agent.environment import Environments
+            from tidal.agent.environment import Environments, SandboxRuntimes
             from tidal.agent.sandboxed import sandboxed_runtime
-            from tidal.agent.taskcheck import SandboxRuntimes
             from tidal.engine.tiny import default_cache_root
             from tidal.sandbox import Limits, SandboxConfig
 
             envs = Environments(parse_images(image), fallback,
                                 cache_dir or default_cache_root() / "envs")
-            runtimes = SandboxRuntimes(envs, sandboxed_runtime, SandboxConfig(
-                limits=Limits(cpu_s=3600.0, wall_s=3600.0)))
+            runtimes = SandboxRuntimes(sandboxed_runtime, SandboxConfig(
+                limits=Limits(cpu_s=3600.0, wall_s=3600.0)), envs)
         else:
             raise typer.BadParameter(f"--sandbox must be bwrap or docker, got {sandbox!r}")
         results = check_tasks(directory, runtimes, jobs=jobs)

@@ -63,10 +63,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal, TypeVar
 
 import docker
 import docker.errors
@@ -74,7 +74,15 @@ import psutil
 
 from tidal.agent.runtime import RuntimeToolError
 from tidal.agent.tasks import EnvironmentSpec, Task, TaskError
-from tidal.sandbox.types import ExecResult, ExecStatus, Limits, check_env, truncation_marker
+from tidal.sandbox.oplog import OpLog, op_key
+from tidal.sandbox.types import (
+    Bind,
+    ExecResult,
+    ExecStatus,
+    Limits,
+    check_env,
+    truncation_marker,
+)
 
 PODMAN_SOCKET = "/run/tidal-podman/podman.sock"  # .ci/podman.sh's (TIDAL_PODMAN_SOCK overrides)
 DEFAULT_MEMORY_MB = 2048  # Harbor's defaults for a task that names none
@@ -83,6 +91,8 @@ DEFAULT_PIDS = 1024
 MIN_MEMORY_MB = 64  # as the bubblewrap side floors a task's memory
 KEEPALIVE = ("sleep", "infinity")  # the container's own command: it only keeps it running
 LABEL = "tidal"  # every container this module starts carries tidal=1
+OWNER = "tidal.owner"  # and the process that started it: "<host>:<pid>:<start time>"
+SNAPSHOT_OF = "tidal.snapshot"  # a snapshot image's file (absolute path)
 SNAPSHOT_REPO = "tidal-snapshot"
 SNAPSHOT_FORMAT = "tidal.container-snapshot/1"
 ENV_REPO = "tidal-env"
@@ -92,6 +102,7 @@ _DIR_BIT = 1 << 31  # Go's os.ModeDir and os.ModeSymlink, as the archive stat he
 _LINK_BIT = 1 << 27
 _STAT_HEADER = "X-Docker-Container-Path-Stat"
 _NETWORKS = ("none", "bridge")
+T = TypeVar("T")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
 
 # `list`: names NUL-separated, directories (not links to them) suffixed "/"; exit 2 when
@@ -134,6 +145,52 @@ def connect(url: str | None = None) -> docker.DockerClient:
         raise ContainerError(f"the container engine at {url} does not answer ({e}); "
                              f"{how}") from None
     return client
+
+
+def _owner() -> str:
+    me = psutil.Process()
+    return f"{os.uname().nodename}:{me.pid}:{me.create_time():.2f}"
+
+
+def _alive(owner: str) -> bool:
+    """Whether the process an OWNER label names still runs (a label of another host, or
+    one that does not parse, counts as alive: it is not this host's to judge)."""
+    host, _, rest = owner.partition(":")
+    pid, _, started = rest.partition(":")
+    if host != os.uname().nodename or not pid.isdigit():
+        return True
+    try:
+        return f"{psutil.Process(int(pid)).create_time():.2f}" == started
+    except psutil.Error:
+        return False
+
+
+def reap_orphans(client: docker.DockerClient) -> int:
+    """Remove what a process of this host made and did not outlive (a SIGKILLed `tidal
+    run` cannot clean up after itself): its containers, and its snapshot images that no
+    snapshot file names (one committed as the process died, before its file was written;
+    an image a file still names is kept for the run's resume, which discards it). Returns
+    how many. Called whenever `ContainerRuntimes` are made, so a killed run's leftovers
+    go when the next run starts."""
+    n = 0
+    for c in client.api.containers(all=True, filters={"label": [f"{LABEL}=1"]}):
+        owner = (c.get("Labels") or {}).get(OWNER)
+        if owner is not None and not _alive(str(owner)):
+            with contextlib.suppress(docker.errors.NotFound):
+                client.api.remove_container(c["Id"], force=True)
+                n += 1
+    for image in client.api.images(name=SNAPSHOT_REPO):
+        labels = image.get("Labels") or {}
+        owner, path = labels.get(OWNER), labels.get(SNAPSHOT_OF)
+        if owner is None or path is None or _alive(str(owner)):
+            continue
+        with contextlib.suppress(ContainerError):
+            if read_snapshot(Path(str(path)))["image_id"] == image["Id"]:
+                continue
+        with contextlib.suppress(docker.errors.APIError):
+            client.api.remove_image(image["Id"], force=False)
+            n += 1
+    return n
 
 
 def is_podman(client: docker.DockerClient) -> bool:
@@ -476,6 +533,10 @@ class ContainerRuntime:
         self.can_snapshot = True  # until the agent has ended
         self._lock = threading.Lock()
         self._closed = False
+        self._oplog = OpLog()  # every operation with its result (replayed after a restore)
+        self._ops = threading.Condition()  # operations share it; a snapshot excludes them
+        self._active = 0
+        self._exclusive = False
         self.container_id, self._host = self._start(spec)
 
     # ------------------------------------------------------------ lifecycle
@@ -490,7 +551,7 @@ class ContainerRuntime:
                 mem_limit=f"{spec.memory_mb}m", memswap_limit=f"{spec.memory_mb}m",
                 nano_cpus=round(spec.cpus * 1e9), pids_limit=spec.pids,
                 network_mode=spec.network,  # never network_disabled: podman ignores it
-                hostname=spec.hostname, labels={**spec.labels, LABEL: "1"},
+                hostname=spec.hostname, labels={**spec.labels, LABEL: "1", OWNER: _owner()},
                 volumes={h: {"bind": c, "mode": "ro"} for h, c in spec.binds})
         except docker.errors.ImageNotFound:
             raise ContainerError(f"the engine has no image {spec.image!r}") from None
@@ -625,12 +686,8 @@ class ContainerRuntime:
                 return
             time.sleep(0.01)
 
-    def exec(self, command: str, timeout_s: float, *,
-             env: Mapping[str, str] | None = None) -> ExecResult:
-        """`/bin/sh -c command` in the working directory, with `env` added to the
-        container's variables. Exit code 124 when it timed out (as `timeout(1)` says
-        it); the reason a limit ended it is appended to stderr, as `SandboxRuntime`
-        does."""
+    def _exec(self, command: str, timeout_s: float, *,
+              env: Mapping[str, str] | None = None) -> ExecResult:
         if not isinstance(command, str) or not command.strip():
             raise RuntimeToolError("command must be a non-empty string")
         if not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) \
@@ -700,7 +757,7 @@ class ContainerRuntime:
             return bool(stat["isDir"])
         return bool(_int(stat.get("mode", 0)) & _DIR_BIT)
 
-    def read_file(self, path: str) -> str:
+    def _read_file(self, path: str) -> str:
         p = self._abs(path)
         stat, real = self._resolve(p)
         if stat is None:
@@ -744,9 +801,7 @@ class ContainerRuntime:
         except docker.errors.APIError as e:
             raise RuntimeToolError(f"cannot write into {directory}: {_why(e)}") from None
 
-    def write_file(self, path: str, text: str) -> None:
-        """Create or replace a file (a link to a file is followed), its parent
-        directories created; an existing file keeps its mode."""
+    def _write_file(self, path: str, text: str) -> None:
         if not isinstance(text, str):
             raise RuntimeToolError(f"file content must be a string, got {type(text).__name__}")
         p = self._abs(path)
@@ -765,7 +820,7 @@ class ContainerRuntime:
         buf.seek(0)
         self._put(posixpath.dirname(target), buf)
 
-    def list(self, path: str) -> builtins.list[str]:
+    def _list(self, path: str) -> builtins.list[str]:
         p = self._abs(path)
         r = self._root(["/bin/sh", "-c", _LIST_SH, "sh", p], f"cannot list {path!r}")
         if r.exit_code == 2:
@@ -776,10 +831,7 @@ class ContainerRuntime:
             raise RuntimeToolError(f"cannot list {path!r}: {r.stderr.strip() or r.detail}")
         return sorted(n for n in r.stdout.split("\0") if n)
 
-    def upload(self, src: Path, dest: str) -> None:
-        """Copy a host file or directory tree to `dest` as one tar (modes kept, owned by
-        root; symlinks are followed only when they stay inside `src`, links to
-        directories are skipped, as `SandboxRuntime.upload` does)."""
+    def _upload(self, src: Path, dest: str) -> None:
         src = Path(src)
         p = self._abs(dest)
         with tempfile.TemporaryFile() as archive:
@@ -801,19 +853,109 @@ class ContainerRuntime:
             archive.seek(0)
             self._put(p, archive)
 
+    # ------------------------------------------------------------ the logged calls
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        """One of the agent's operations: waits while a snapshot is being taken."""
+        with self._ops:
+            while self._exclusive:
+                self._ops.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._ops:
+                self._active -= 1
+                self._ops.notify_all()
+
+    def _logged(self, op: str, args: Mapping[str, object], run: Callable[[], T],
+                encode: Callable[[T], Mapping[str, object]],
+                decode: Callable[[Mapping[str, Any]], T]) -> T:
+        """Run an operation once: answered from the command log while a restored
+        runtime replays it (`tidal.sandbox.oplog`), else run and logged with its result
+        (a refusal too, as the type it raised)."""
+        key = op_key(op, args)
+        with self._op():
+            hit = self._oplog.replayed(op, key, args)
+            if hit is not None:
+                err = hit.result.get("error")
+                if isinstance(err, Mapping):
+                    kind = FileNotFoundError if err.get("type") == "FileNotFoundError" \
+                        else RuntimeToolError
+                    raise kind(str(err.get("message", "")))
+                return decode(hit.result)
+            try:
+                value = run()
+            except (FileNotFoundError, RuntimeToolError) as e:
+                self._oplog.append(op, key, args, {"error": {
+                    "type": "FileNotFoundError" if isinstance(e, FileNotFoundError)
+                    else "RuntimeToolError", "message": str(e)}})
+                raise
+            self._oplog.append(op, key, args, encode(value))
+            return value
+
+    @property
+    def replay_pending(self) -> int:
+        """Logged operations of the snapshot not yet asked for again (0 when fresh)."""
+        return self._oplog.pending
+
+    def exec(self, command: str, timeout_s: float, *,
+             env: Mapping[str, str] | None = None) -> ExecResult:
+        """`/bin/sh -c command` in the working directory, with `env` added to the
+        container's variables. Exit code 124 when it timed out (as `timeout(1)` says
+        it); the reason a limit ended it is appended to stderr, as `SandboxRuntime`
+        does."""
+        return self._logged("exec", {"command": command, "env": dict(env or {})},
+                            lambda: self._exec(command, timeout_s, env=env),
+                            lambda r: r.to_dict(),
+                            lambda d: ExecResult.from_dict(d, replayed=True))
+
+    def read_file(self, path: str) -> str:
+        return self._logged("read_file", {"path": path}, lambda: self._read_file(path),
+                            lambda text: {"text": text}, lambda d: str(d["text"]))
+
+    def write_file(self, path: str, text: str) -> None:
+        """Create or replace a file (a link to a file is followed), its parent
+        directories created; an existing file keeps its mode."""
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest() \
+            if isinstance(text, str) else None
+        self._logged("write_file", {"path": path, "sha256": digest},
+                     lambda: self._write_file(path, text), lambda _: {}, lambda _: None)
+
+    def list(self, path: str) -> builtins.list[str]:
+        return self._logged("list", {"path": path}, lambda: self._list(path),
+                            lambda names: {"names": names},
+                            lambda d: [str(n) for n in d["names"]])
+
+    def upload(self, src: Path, dest: str) -> None:
+        """Copy a host file or directory tree to `dest` as one tar (modes kept, owned by
+        root; symlinks are followed only when they stay inside `src`, links to
+        directories are skipped, as `SandboxRuntime.upload` does)."""
+        src = Path(src)
+        digest = _tree_digest(src).hex() if src.is_dir() else (
+            hashlib.sha256(src.read_bytes()).hexdigest() if src.is_file() else None)
+        self._logged("upload", {"dest": dest, "sha256": digest},
+                     lambda: self._upload(src, dest), lambda _: {}, lambda _: None)
+
     # ------------------------------------------------------------ snapshots
 
     def snapshot(self, path: Path) -> None:
-        """Commit the container to an image `tidal-snapshot:<uuid>` and write, at `path`
-        (a file), a JSON naming the image and the specs; `restore` continues from it.
+        """Commit the container to an image `tidal-snapshot:<path hash>-<uuid>` and
+        write, at `path` (a file), a JSON naming the image, the specs and the command
+        log; `restore` continues from it, answering the logged operations from the log
+        once each (`tidal.sandbox.oplog`), as a restored bubblewrap sandbox does.
 
-        Kept: the container's files (its writable layer over the image). Not kept:
-        running processes and their memory (a restored container starts with none:
-        background servers must be started again), anything on tmpfs mounts or in
+        Kept: the container's files (its writable layer over the image) and the log.
+        Not kept: running processes and their memory (a restored container starts with
+        none: background servers must be started again), anything on tmpfs mounts or in
         volumes/binds (binds are mounted again from the spec's host paths), and the
-        engine-managed /etc/hosts, /etc/hostname and /etc/resolv.conf. The container is
-        paused for the commit (files are consistent with each other) and goes on
-        running. The image stays in the engine until `remove_snapshot`."""
+        engine-managed /etc/hosts, /etc/hostname and /etc/resolv.conf. The snapshot
+        waits for running operations to end and holds new ones back; the container is
+        paused for the commit and goes on running. The image lives in this engine only
+        (a snapshot resumes on the engine that took it) until `remove_snapshot`; a new
+        snapshot at the same path removes the images of earlier ones that no container
+        still runs from."""
         if not self.can_snapshot:
             raise RuntimeToolError("the agent has ended: its container is gone, and the "
                                    "verifier's is not to be resumed")
@@ -821,36 +963,70 @@ class ContainerRuntime:
         path = Path(path)
         if path.is_dir():
             raise RuntimeToolError(f"snapshot path {path} is a directory; name a file")
-        tag = uuid.uuid4().hex
+        prefix = _snapshot_prefix(path)
+        tag = f"{prefix}-{uuid.uuid4().hex[:16]}"
+        with self._ops:
+            while self._exclusive:
+                self._ops.wait()
+            self._exclusive = True
+            try:
+                while self._active:
+                    self._ops.wait()
+            except BaseException:
+                self._exclusive = False
+                self._ops.notify_all()
+                raise
         try:
-            image = self.client.containers.get(self.container_id).commit(
-                repository=SNAPSHOT_REPO, tag=tag, pause=True)
-        except docker.errors.APIError as e:
-            raise ContainerError(f"committing container {self.container_id[:12]} failed: "
-                                 f"{_why(e)}") from None
+            try:
+                image = self.client.containers.get(self.container_id).commit(
+                    repository=SNAPSHOT_REPO, tag=tag, pause=True, changes=[
+                        f"LABEL {SNAPSHOT_OF}={json.dumps(str(path.absolute()))}",
+                        f"LABEL {OWNER}={json.dumps(_owner())}"])
+            except docker.errors.APIError as e:
+                raise ContainerError(f"committing container {self.container_id[:12]} failed: "
+                                     f"{_why(e)}") from None
+            log = [e.to_dict() for e in self._oplog.entries]
+        finally:
+            with self._ops:
+                self._exclusive = False
+                self._ops.notify_all()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({
             "format": SNAPSHOT_FORMAT, "image": f"{SNAPSHOT_REPO}:{tag}", "image_id": image.id,
             "spec": self.spec.to_dict(), "pristine": self.pristine.to_dict(),
-            "created": time.time()}, indent=1) + "\n")
+            "created": time.time(), "log": log}) + "\n")
+        tmp.replace(path)
+        _remove_snapshot_images(self.client, prefix, keep=tag, strict=False)
 
     @classmethod
     def restore(cls, path: Path, client: docker.DockerClient, *,
                 output_bytes: int = Limits().output_bytes,
                 file_bytes: int = Limits().file_bytes) -> ContainerRuntime:
         """A running container from the snapshot at `path`: the committed files, the
-        spec's limits and variables, no processes (see `snapshot`)."""
+        spec's limits and variables, no processes, and its command log in replay mode
+        (see `snapshot`)."""
         snap = read_snapshot(path)
         image = str(snap["image_id"])
         try:
             client.images.get(image)
         except docker.errors.ImageNotFound:
             raise ContainerError(f"snapshot {path}: its image {snap['image']} ({image[:19]}) "
-                                 "is no longer in the engine") from None
+                                 "is not in this engine (a snapshot resumes on the engine "
+                                 "that took it)") from None
+        entries = snap.get("log", [])
+        if not isinstance(entries, builtins.list):
+            raise ContainerError(f"snapshot {path}: its log is not a list")
+        try:
+            log = OpLog.restored(entries, where=f"snapshot {path}")
+        except ValueError as e:
+            raise ContainerError(str(e)) from None
         spec = replace(ContainerSpec.from_dict(_str_keys(snap["spec"])), image=image)
         pristine = ContainerSpec.from_dict(_str_keys(snap["pristine"]))
-        return cls(spec, client, pristine=pristine, output_bytes=output_bytes,
-                   file_bytes=file_bytes)
+        rt = cls(spec, client, pristine=pristine, output_bytes=output_bytes,
+                 file_bytes=file_bytes)
+        rt._oplog = log
+        return rt
 
     # ------------------------------------------------------------ the agent's end
 
@@ -944,16 +1120,35 @@ def read_snapshot(path: Path) -> dict[str, object]:
     return snap
 
 
+def _snapshot_prefix(path: Path) -> str:
+    """The tag prefix of every snapshot image taken at `path` (its absolute path hashed)."""
+    return hashlib.sha256(os.fsencode(Path(path).absolute())).hexdigest()[:16]
+
+
+def _remove_snapshot_images(client: docker.DockerClient, prefix: str, *, keep: str = "",
+                            strict: bool) -> None:
+    """Remove the snapshot images tagged `prefix-*` but `keep`. One that a container
+    still runs from is a ContainerError when `strict`, else left for a later call."""
+    # the low-level list: one call, no per-image lookups that a concurrent removal fails
+    for image in client.api.images(name=SNAPSHOT_REPO):
+        refs = [str(t) for t in image.get("RepoTags") or ()]
+        tags = [t.rsplit(":", 1)[1] for t in refs if t.rsplit(":", 1)[0].endswith(SNAPSHOT_REPO)]
+        if not any(t.startswith(prefix + "-") for t in tags) or keep in tags:
+            continue
+        try:
+            client.api.remove_image(image["Id"], force=False)
+        except docker.errors.ImageNotFound:
+            pass
+        except docker.errors.APIError as e:
+            if strict:
+                raise ContainerError(f"could not remove snapshot image {refs[0]}: "
+                                     f"{_why(e)}") from None
+
+
 def remove_snapshot(path: Path, client: docker.DockerClient) -> None:
-    """Delete a snapshot: its image from the engine (ContainerError while a container
-    still runs from it) and its file."""
-    snap = read_snapshot(path)
-    try:
-        client.images.remove(str(snap["image_id"]))
-    except docker.errors.ImageNotFound:
-        pass
-    except docker.errors.APIError as e:
-        raise ContainerError(f"snapshot {path}: could not remove its image: {_why(e)}") from None
+    """Delete a snapshot: its file and every image a snapshot at that path committed
+    (ContainerError while a container still runs from one). A missing file is fine."""
+    _remove_snapshot_images(client, _snapshot_prefix(path), strict=True)
     Path(path).unlink(missing_ok=True)
 
 
@@ -1260,15 +1455,55 @@ class ContainerEnvironments:
 
 @dataclass(frozen=True)
 class ContainerRuntimes:
-    """`tidal tasks check --sandbox docker`: each check in a fresh container of the task's
-    image (`tidal.agent.taskcheck.TaskRuntimes`); the verdict notes what the spec does
-    not enforce."""
+    """`tidal.agent.environment.TaskRuntimes` on a container engine: each episode (and
+    each `tidal tasks check` check) in a fresh container of the task's image, restored
+    ones from the image a snapshot committed. `binds`: the run's read-only mounts
+    ((host path, container path) pairs). A verdict notes what the spec does not
+    enforce."""
 
     environments: ContainerEnvironments
+    binds: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        reap_orphans(self.environments.client)
+
+    def prepare(self, tasks: Iterable[Task]) -> int:
+        return self.environments.prepare(tasks)
 
     def notes(self, task: Task) -> list[str]:
         return list(self.environments.spec(task).notes)
 
-    def runtime(self, task: Task) -> contextlib.AbstractContextManager[ContainerRuntime]:
-        return container_runtime(self.environments.spec(task), self.environments.client)
+    def spec(self, task: Task) -> ContainerSpec:
+        spec = self.environments.spec(task)
+        return replace(spec, binds=spec.binds + self.binds) if self.binds else spec
 
+    def runtime(self, task: Task, limit_s: float | None = None
+                ) -> contextlib.AbstractContextManager[ContainerRuntime]:
+        """A fresh container (`limit_s` is not needed: a container has no CPU-time
+        limit, only its CPU share)."""
+        return container_runtime(self.spec(task), self.environments.client)
+
+    @contextlib.contextmanager
+    def restored(self, task: Task, snapshot: Path, limit_s: float | None = None
+                 ) -> Iterator[ContainerRuntime]:
+        rt = ContainerRuntime.restore(snapshot, self.environments.client)
+        try:
+            yield rt
+        finally:
+            rt.close()
+
+    def discard(self, snapshot: Path) -> None:
+        remove_snapshot(snapshot, self.environments.client)
+
+    def with_access(self, ports: tuple[int, ...], binds: tuple[Bind, ...]) -> ContainerRuntimes:
+        """The run's mounts, bound read-only. A gateway port is refused: containers run
+        with network "none" (or the engine's bridge) and cannot reach the host's
+        loopback, where the gateway listens, so a harness that runs inside the
+        container cannot call the model."""
+        if ports:
+            raise ContainerError(
+                f"a harness that runs inside the sandbox needs the gateway's port {ports[0]} "
+                "there, and rollout.sandbox = \"docker\" cannot give a container the host's "
+                "loopback: use agent.harness = \"builtin\" (its tools run in the container, "
+                "the harness outside), or rollout.sandbox = \"bwrap\"")
+        return replace(self, binds=tuple((b.host, b.target) for b in binds))

@@ -1,4 +1,12 @@
-"""From a task's environment to the sandbox its episodes run in.
+"""From a task's environment to the runtime its episodes run in.
+
+`TaskRuntimes` is the seam every episode's runtime comes through (an RL rollout, an
+evaluation, a warm-start demonstration, `tidal tasks check`): it builds the tasks'
+environments, gives each episode a fresh runtime or one restored from a snapshot that
+an earlier run of it took (preemption, `tidal.agent.preempt`), and discards snapshots.
+Two implementations: `SandboxRuntimes` here (bubblewrap sandboxes of the environments
+tidal builds, `rollout.sandbox = "bwrap"`) and `tidal.agent.containers.ContainerRuntimes`
+(containers on a Docker-API engine, `rollout.sandbox = "docker"`).
 
 A task in the Harbor format says what it runs in: a Dockerfile and its context, or a
 prebuilt `docker_image` reference. `Environments` builds each one once with
@@ -16,17 +24,55 @@ granted (sandboxes have no network but the gateway's port).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Protocol
 
+from tidal.agent.runtime import ToolRuntime
+from tidal.agent.sandboxed import SandboxRuntime
 from tidal.agent.tasks import Task, TaskError
-from tidal.sandbox import SandboxConfig, SandboxError
+from tidal.sandbox import Sandbox, SandboxConfig, SandboxError
 from tidal.sandbox.build import Environment, build_environment, image_environment
 from tidal.sandbox.dockerfile import DockerfileError
+from tidal.sandbox.types import Bind
 
 MiB = 1 << 20
+# a sandbox runtime from a config: `tidal.agent.sandboxed.sandboxed_runtime` (bwrap),
+# `tidal.run.components.local_runtime`, or a user's `module:attr`
+RuntimeFactory = Callable[[SandboxConfig], contextlib.AbstractContextManager[ToolRuntime]]
+
+
+class TaskRuntimes(Protocol):
+    """Where a task's episodes run.
+
+    `prepare` builds every task's environment now (a broken one stops a run before it
+    starts; a TaskError names it) and returns how many were built rather than found.
+    `notes` says what a verdict must: what this runtime does not do as the task asks.
+    `runtime` is a fresh runtime of the task's environment for an episode that may run
+    `limit_s` seconds (None: the runtimes' own limits). `restored` continues from a
+    snapshot that one of its runtimes wrote (`ToolRuntime.snapshot`), its command log
+    replayed exactly once (`tidal.sandbox.oplog`); `discard` deletes one, with what it
+    holds outside the file. `with_access` is these runtimes with the run's gateway port
+    reachable from inside (for a harness that runs there) and the run's read-only
+    mounts; a runtime that cannot give them raises TaskError saying so."""
+
+    def prepare(self, tasks: Iterable[Task]) -> int: ...
+
+    def notes(self, task: Task) -> list[str]: ...
+
+    def runtime(self, task: Task, limit_s: float | None = None
+                ) -> contextlib.AbstractContextManager[ToolRuntime]: ...
+
+    def restored(self, task: Task, snapshot: Path, limit_s: float | None = None
+                 ) -> contextlib.AbstractContextManager[ToolRuntime]: ...
+
+    def discard(self, snapshot: Path) -> None: ...
+
+    def with_access(self, ports: tuple[int, ...], binds: tuple[Bind, ...]) -> TaskRuntimes: ...
 
 
 @dataclass
@@ -92,3 +138,66 @@ class Environments:
             workdir=spec.workdir or env.workdir or "/app",
             env={**env.env, **spec.env, **base.env}, limits=limits,
         )
+
+
+@dataclass(frozen=True)
+class SandboxRuntimes:
+    """`TaskRuntimes` of sandboxes made by `new_runtime` from `base` (limits, ports,
+    mounts) and the task's environment (`environments`; None: every task runs on `base`
+    as it is). An episode that may run `limit_s` seconds gets CPU time enough for a
+    harness that runs as long: (limit_s + 600) s on every core."""
+
+    new_runtime: RuntimeFactory
+    base: SandboxConfig = field(default_factory=SandboxConfig)
+    environments: Environments | None = None
+
+    def prepare(self, tasks: Iterable[Task]) -> int:
+        return 0 if self.environments is None else self.environments.prepare(tasks)
+
+    def notes(self, task: Task) -> list[str]:
+        env = None if self.environments is None else self.environments.environment(task)
+        notes = []
+        if task.environment is not None and task.environment.network_mode != "no-network":
+            notes.append(f"network_mode is {task.environment.network_mode!r}: tidal's "
+                         "bubblewrap sandboxes have no network")
+        if env is not None and env.fallback_for is not None:
+            assert self.environments is not None
+            notes.append(f"checked on --fallback {self.environments.fallback}, not on "
+                         f"{env.fallback_for!r} (not mapped): this verdict is not the named "
+                         "image's")
+        if env is not None and env.declared_for is not None:
+            notes.append(f"built on tidal's default image for {env.declared_for!r}, as its "
+                         "Dockerfile declares (LABEL tidal.image=\"default\")")
+        return notes
+
+    def config(self, task: Task, limit_s: float | None = None) -> SandboxConfig:
+        """The sandbox of one episode of `task`."""
+        base = self.base
+        if limit_s is not None:
+            cpu = (limit_s + 600.0) * (os.cpu_count() or 1)
+            base = replace(base, limits=replace(base.limits, cpu_s=max(base.limits.cpu_s, cpu)))
+        return base if self.environments is None else self.environments.sandbox_config(task, base)
+
+    def runtime(self, task: Task, limit_s: float | None = None
+                ) -> contextlib.AbstractContextManager[ToolRuntime]:
+        return self.new_runtime(self.config(task, limit_s))
+
+    @contextlib.contextmanager
+    def restored(self, task: Task, snapshot: Path, limit_s: float | None = None
+                 ) -> Iterator[ToolRuntime]:
+        """The saved layer and log under this run's config: its limits, ports and
+        mounts, and the image and layers where they live on this machine."""
+        config = self.config(task, limit_s)
+        with Sandbox.restore(snapshot, **{f.name: getattr(config, f.name)
+                                          for f in fields(config)}) as sb:
+            rt = SandboxRuntime(sb)
+            try:
+                yield rt
+            finally:
+                rt.close()
+
+    def discard(self, snapshot: Path) -> None:
+        Path(snapshot).unlink(missing_ok=True)
+
+    def with_access(self, ports: tuple[int, ...], binds: tuple[Bind, ...]) -> SandboxRuntimes:
+        return replace(self, base=replace(self.base, allow_ports=ports, binds=binds))

@@ -6,20 +6,24 @@ run, what it takes to continue it elsewhere, and resumes it:
 
 - **Saved while it runs** (under one directory, `RUN_DIR/live/` in `tidal run`):
   `<group>/group.json` (the task group's (task, session) jobs), `<group>/<sid>.json` (an
-  `EpisodeRecord`: wall clock used, model calls seen, snapshots taken) and, for a sandbox
-  runtime, `<group>/<sid>.tar`: a `tidal.sandbox` snapshot (writable layer + the log of
-  every operation with its result), taken every `every_calls` model calls of the
-  episode (its subagents' included) or `every_s` seconds, on a background thread. A
-  snapshot waits for a running command to end; the harness never waits for it except
-  there. A finished episode leaves `<group>/<sid>.done.json` until its group is done.
-- **Resumed** (`runtime(..., resume=True)`): the sandbox is restored from the snapshot
-  (or made fresh when there is none), the gateway puts the episode's sessions in replay
-  mode (`tidal.gateway.replay`), and the harness runs again from the start. Its model
-  calls already recorded come back from the ledger (same prompt ids, same answer, nothing
-  recorded), its operations up to the snapshot from the sandbox's log (nothing run
-  twice: the layer already holds their effects); operations after the snapshot run
-  again, once, on the restored layer; after the last recorded call the session is live.
-  The episode's wall clock goes on from what it had used.
+  `EpisodeRecord`: wall clock used, model calls seen, snapshots taken) and, for a runtime
+  that takes snapshots, `<group>/<sid>.tar`: its snapshot (a bubblewrap sandbox's
+  writable layer, or a JSON file naming a container's committed image; either with the
+  log of every operation and its result, `tidal.sandbox.oplog`), taken every
+  `every_calls` model calls of the episode (its subagents' included) or `every_s`
+  seconds, on a background thread. A snapshot waits for a running command to end; the
+  harness never waits for it except there. A finished episode leaves
+  `<group>/<sid>.done.json` until its group is done; its snapshot is discarded
+  (`TaskRuntimes.discard`: a container snapshot's image too).
+- **Resumed** (`runtime(..., resume=True)`): the runtime is restored from the snapshot
+  (`TaskRuntimes.restored`; made fresh when there is none), the gateway puts the
+  episode's sessions in replay mode (`tidal.gateway.replay`), and the harness runs
+  again from the start. Its model calls already recorded come back from the ledger
+  (same prompt ids, same answer, nothing recorded), its operations up to the snapshot
+  from the runtime's log (nothing run twice: the files already hold their effects);
+  operations after the snapshot run again, once, on the restored files; after the last
+  recorded call the session is live. The episode's wall clock goes on from what it had
+  used.
 
 This is exact for harnesses that are deterministic given the same model answers and
 operation results and whose tools all act through `ctx.runtime`: the built-in harness,
@@ -39,19 +43,20 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from tidal.agent.runtime import ToolRuntime
-from tidal.agent.sandboxed import SandboxRuntime
+from tidal.agent.environment import TaskRuntimes
+from tidal.agent.runtime import RuntimeToolError, ToolRuntime
+from tidal.agent.tasks import Task, TaskError
 from tidal.ledger import LedgerStore
 from tidal.ledger.types import Call
-from tidal.sandbox import Sandbox, SandboxConfig
 from tidal.sandbox.types import ExecResult, SandboxError
 
 GROUP_FILE = "group.json"
+SNAPSHOT_SUFFIX = ".tar"  # <group>/<sid>.tar: the runtime's snapshot file (its own format)
 
 
 class Preempted(BaseException):
@@ -189,10 +194,11 @@ class LiveEpisodes:
     """The live episodes of one run, saved under `root` (see the module doc)."""
 
     def __init__(self, root: Path, store: LedgerStore, replay: ReplayControl | None,
-                 policy: SnapshotPolicy | None = None) -> None:
+                 runtimes: TaskRuntimes, policy: SnapshotPolicy | None = None) -> None:
         self.root = Path(root)
         self.store = store
         self.replay = replay
+        self.runtimes = runtimes
         self.policy = policy or SnapshotPolicy()
         self._lock = threading.Condition()
         self._live: dict[str, _Live] = {}  # main session id -> episode
@@ -219,15 +225,19 @@ class LiveEpisodes:
 
     def close_group(self, key: str) -> None:
         """The group finished (every outcome recorded): nothing of it is live any more."""
-        shutil.rmtree(self.root / key, ignore_errors=True)
+        d = self.root / key
+        if d.is_dir():
+            for snap in d.glob(f"*{SNAPSHOT_SUFFIX}"):
+                self._discard(snap)
+        shutil.rmtree(d, ignore_errors=True)
 
     def done(self, key: str, session_id: str, payload: dict[str, Any]) -> None:
         """An episode of the group finished with `payload` (what the group returns)."""
         d = self.root / key
         if d.is_dir():
             _write_json(d / f"{session_id}.done.json", payload)
-            for suffix in (".tar", ".json"):
-                (d / f"{session_id}{suffix}").unlink(missing_ok=True)
+            self._discard(d / f"{session_id}{SNAPSHOT_SUFFIX}")
+            (d / f"{session_id}.json").unlink(missing_ok=True)
 
     def pending(self) -> list[LiveGroup]:
         """Groups a stopped run left live, oldest first. A group directory without a
@@ -250,8 +260,9 @@ class LiveEpisodes:
                     continue
                 with contextlib.suppress(OSError, ValueError, TypeError):
                     records[sid] = EpisodeRecord(**json.loads((d / f"{sid}.json").read_text()))
-            snapshotted = frozenset(sid for _task, sid in jobs
-                                    if sid not in done and (d / f"{sid}.tar").is_file())
+            snapshotted = frozenset(
+                sid for _task, sid in jobs
+                if sid not in done and (d / f"{sid}{SNAPSHOT_SUFFIX}").is_file())
             out.append(LiveGroup(d.name, jobs, done, records, snapshotted))
         return out
 
@@ -259,21 +270,20 @@ class LiveEpisodes:
 
     @contextlib.contextmanager
     def runtime(
-        self, group: str, task_id: str, session_id: str, config: SandboxConfig,
-        new_runtime: Callable[[SandboxConfig], contextlib.AbstractContextManager[ToolRuntime]],
-        *, resume: bool = False, snapshots: bool = True,
+        self, group: str, task: Task, session_id: str, *, limit_s: float | None = None,
+        resume: bool = False, snapshots: bool = True,
     ) -> Iterator[tuple[ToolRuntime, float]]:
-        """The episode's runtime and the wall clock it already used, watched for
-        snapshots while inside. `resume`: restore the saved sandbox (a fresh one when
-        there is none, or `snapshots` is False) and replay the recorded calls.
-        `snapshots=False` for a harness whose tools do not all act through the
-        runtime (see the module doc)."""
+        """The episode's runtime (`runtimes.runtime(task, limit_s)`) and the wall clock
+        it already used, watched for snapshots while inside. `resume`: restore the saved
+        runtime (a fresh one when there is none, or `snapshots` is False) and replay the
+        recorded calls. `snapshots=False` for a harness whose tools do not all act
+        through the runtime (see the module doc)."""
         d = self.root / group
         with self._lock:
             if self._halted or (group in self._stopped and not resume):
                 raise Preempted(session_id)  # its group stopped before it started
-        record = EpisodeRecord(session_id, task_id)
-        saved = d / f"{session_id}.tar"
+        record = EpisodeRecord(session_id, task.task_id)
+        saved = d / f"{session_id}{SNAPSHOT_SUFFIX}"
         if resume:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 record = EpisodeRecord(**json.loads((d / f"{session_id}.json").read_text()))
@@ -281,11 +291,11 @@ class LiveEpisodes:
                 self.replay.replay(self.store.episode_sessions(session_id))
         cm: contextlib.AbstractContextManager[ToolRuntime]
         if resume and snapshots and saved.exists():
-            cm = _restored(saved, config)
+            cm = self.runtimes.restored(task, saved, limit_s)
         else:
-            saved.unlink(missing_ok=True)
+            self._discard(saved)
             record = replace(record, snapshots=0)
-            cm = new_runtime(config)
+            cm = self.runtimes.runtime(task, limit_s)
         with cm as rt:
             live = _Live(group, record, rt, time.monotonic() - record.elapsed_s,
                          can_snapshot=snapshots and rt.can_snapshot)
@@ -397,8 +407,9 @@ class LiveEpisodes:
         took = 0.0
         if snapshot:
             t0 = time.perf_counter()
-            with contextlib.suppress(SandboxError, OSError):  # a closing sandbox: skip
-                live.runtime.snapshot(d / f"{sid}.tar")
+            # a closing runtime: skip (the episode ends; its last snapshot stands)
+            with contextlib.suppress(SandboxError, RuntimeToolError, TaskError, OSError):
+                live.runtime.snapshot(d / f"{sid}{SNAPSHOT_SUFFIX}")
                 took = time.perf_counter() - t0
                 self.snapshots += 1
                 self.snapshot_s += took
@@ -410,6 +421,18 @@ class LiveEpisodes:
             live.since, live.last = 0, time.monotonic()
         if d.is_dir():
             _write_json(d / f"{sid}.json", asdict(record))
+
+    def _discard(self, snapshot: Path) -> None:
+        """A snapshot no longer needed, with what it holds outside its file (a container
+        snapshot's image); a failure is warned, not raised: the episode is done."""
+        if not snapshot.exists():
+            return
+        try:
+            self.runtimes.discard(snapshot)
+        except Exception as e:
+            warnings.warn(f"discarding snapshot {snapshot} failed: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
+        snapshot.unlink(missing_ok=True)
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -439,18 +462,6 @@ class LiveEpisodes:
                     self.failures += 1
                     warnings.warn(f"snapshot of live episode {sid} failed: "
                                   f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=1)
-
-
-@contextlib.contextmanager
-def _restored(path: Path, config: SandboxConfig) -> Iterator[ToolRuntime]:
-    """The saved layer and log under this run's config: its limits, ports and mounts,
-    and the image and layers where they live on this machine."""
-    with Sandbox.restore(path, **{f.name: getattr(config, f.name) for f in fields(config)}) as sb:
-        rt = SandboxRuntime(sb)
-        try:
-            yield rt
-        finally:
-            rt.close()
 
 
 def abandoned_calls(replay: ReplayControl | None, session_ids: Sequence[str]) -> list[str]:

@@ -19,13 +19,21 @@ one `random.Random` per (seed, skill, split, index), JSON with sorted keys, file
 in a fixed order, so a rerun is byte-identical.
 
 Each task directory: instruction.md (one or two short sentences), task.toml,
-environment/Dockerfile (`FROM tidal/default`, `COPY files/ /app/`) and environment/files/
-(the inputs, each under 1.5 KB), tests/test.sh + tests/grade.py + tests/expected.json (the
-expected result lives only under tests/, which the agent never sees), solution/solve.sh
-(the oracle) and solution/tool_calls.json (the same commands as tool calls of tidal's
-harness: `bash`, then `finish`). grade.py reads its paths from SHELL_SKILLS_APP,
-SHELL_SKILLS_TESTS and SHELL_SKILLS_REWARD when set (defaults /app, /tests,
-/logs/verifier/reward.txt), so the graders can be checked without a sandbox.
+environment/Dockerfile (`FROM python:3.11-slim-bookworm`, `COPY files/ /app/`: below) and
+environment/files/ (the inputs, each under 1.5 KB), tests/test.sh + tests/grade.py +
+tests/expected.json (the expected result lives only under tests/, which the agent never
+sees), solution/solve.sh (the oracle) and solution/tool_calls.json (the same commands as
+tool calls of tidal's harness: `bash`, then `finish`). grade.py reads its paths from
+SHELL_SKILLS_APP, SHELL_SKILLS_TESTS and SHELL_SKILLS_REWARD when set (defaults /app,
+/tests, /logs/verifier/reward.txt), so the graders can be checked without a sandbox.
+
+The base image: what the tasks, their graders and solutions run is bash, coreutils, grep,
+sed, awk, find and python3 (standard library only). The official
+`python:3.11-slim-bookworm` (Debian 12 with Python 3.11, the same Debian and Python as
+tidal's default image) has all of them, so `docker build` works anywhere as written
+(Harbor, Docker). tidal builds the Dockerfile on its default image, as before, because
+the Dockerfile says so (`LABEL tidal.image="default"`, docs/sandbox.md): a run that maps
+the reference in `[environment] images` gets that image instead.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SHELL_SKILLS_VERSION = 2
+SHELL_SKILLS_VERSION = 3  # 3: the Dockerfiles name BASE_IMAGE instead of tidal/default
 SKILLS: tuple[str, ...] = ("count-matches", "csv-field", "json-field", "fix-config",
                            "find-file", "sum-column", "rename-ext", "nth-line")
 SPLITS: tuple[str, ...] = ("train", "heldout")
@@ -494,7 +502,9 @@ _MAKERS: dict[str, Callable[[random.Random, Any], _Spec]] = {
 
 # --------------------------------------------------------------------------- files
 
-_DOCKERFILE = "FROM tidal/default\nWORKDIR /app\nCOPY files/ /app/\n"
+BASE_IMAGE = "python:3.11-slim-bookworm"  # pinned: Debian 12, Python 3.11 (the docstring)
+_DOCKERFILE = (f"FROM {BASE_IMAGE}\nLABEL tidal.image=\"default\"\nWORKDIR /app\n"
+               "COPY files/ /app/\n")
 
 _TEST_SH = """\
 #!/bin/bash
@@ -690,6 +700,11 @@ Each task is solved by one shell command run in /app (see `solution/solve.sh` an
 `solution/tool_calls.json`), small enough for a tiny model to learn by RL.
 
 {skills}
+
+Each environment/Dockerfile builds FROM {BASE_IMAGE} (Debian 12, Python 3.11: bash,
+coreutils, grep, sed, awk, find and python3 are all the tasks use) with Docker anywhere;
+tidal builds it on its default image, the same Debian and Python, as its
+`LABEL tidal.image="default"` says.
 
 Splits: `train/` holds {train_per_skill} tasks per skill, `heldout/` {heldout_per_skill}.
 Held-out tasks use file and directory names, searched words, codes, column names, keys,

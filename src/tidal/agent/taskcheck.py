@@ -5,61 +5,22 @@ Dockerfile or a docker_image), its environment must build (tidal's own builder t
 subset of Dockerfiles; the container engine takes them as written), its untouched
 environment must earn less than 1 (else the tests pass without any agent), and its
 oracle (solution/solve.sh, when the task has one) must earn exactly 1. Each check runs
-in a fresh runtime built exactly as an episode's is: a bubblewrap sandbox
-(`SandboxRuntimes`) or a container (`tidal.agent.containers.ContainerRuntimes`), behind
-the one seam `TaskRuntimes`. A problem names the file at fault.
+in a fresh runtime built exactly as an episode's is, through the seam episodes use
+(`tidal.agent.environment.TaskRuntimes`): a bubblewrap sandbox (`SandboxRuntimes`) or a
+container (`tidal.agent.containers.ContainerRuntimes`). A problem names the file at
+fault.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-from tidal.agent.environment import Environments
+from tidal.agent.environment import TaskRuntimes
 from tidal.agent.harbor import HarborTaskError, load_task, run_oracle, task_dirs
-from tidal.agent.runtime import ToolRuntime
-from tidal.agent.tasks import Grade, Task, TaskError, prepare
-from tidal.sandbox import SandboxConfig
-
-RuntimeFactory = Callable[[SandboxConfig], AbstractContextManager[ToolRuntime]]
-
-
-class TaskRuntimes(Protocol):
-    """Where a task's checks run. `notes` builds the task's environment (a TaskError
-    says why it cannot be built) and says what the verdict must (what the runtime does
-    not do as the task asks); `runtime` is a fresh runtime of that environment."""
-
-    def notes(self, task: Task) -> list[str]: ...
-
-    def runtime(self, task: Task) -> AbstractContextManager[ToolRuntime]: ...
-
-
-@dataclass(frozen=True)
-class SandboxRuntimes:
-    """Bubblewrap sandboxes of the environments tidal builds (`Environments`)."""
-
-    environments: Environments
-    new_runtime: RuntimeFactory
-    base: SandboxConfig
-
-    def notes(self, task: Task) -> list[str]:
-        env = self.environments.environment(task)
-        notes = []
-        if task.environment is not None and task.environment.network_mode != "no-network":
-            notes.append(f"network_mode is {task.environment.network_mode!r}: tidal's "
-                         "bubblewrap sandboxes have no network")
-        if env is not None and env.fallback_for is not None:
-            notes.append(f"checked on --fallback {self.environments.fallback}, not on "
-                         f"{env.fallback_for!r} (not mapped): this verdict is not the named "
-                         "image's")
-        return notes
-
-    def runtime(self, task: Task) -> AbstractContextManager[ToolRuntime]:
-        return self.new_runtime(self.environments.sandbox_config(task, self.base))
+from tidal.agent.tasks import Grade, TaskError, prepare
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,14 @@
   assistant message a client sends back is the previous call's output, already a step.
 - each call is one `agent` step: its content (the text shown to the client), its parsed
   tool calls, and in `metrics` the prompt and completion token ids and the completion's
-  logprobs, exactly as sampled (`extra`: the call id, policy version, finish reason and
-  the raw tool-call text).
+  logprobs, exactly as sampled. `extra` holds the call's ledger fields that ATIF has no
+  place for: always its id, role, policy version, finish reason, raw tool-call text and
+  start and end times (unix seconds); where set, its task, parent call and session,
+  sampling parameters and metadata; and where ATIF's own fields do not give them back,
+  its output text (`message` is the content shown), its tool calls as recorded, its
+  tools (the trajectory's `tool_definitions` are its first call's) and
+  `messages_recorded: false`. So `tidal ledger import --atif` (`atif_import.py`) gives
+  back the calls exactly, their request messages rebuilt from the steps.
 - a session whose history was rewritten (a compaction: a call whose request does not
   extend the previous call's) continues in another file, `<session>.cont-<k>.json`,
   named by `continued_trajectory_ref`; messages the new context repeats from the last
@@ -18,7 +24,8 @@
 - a subagent's session is embedded in `subagent_trajectories` (its `trajectory_id` is the
   session id) of the segment that holds the call that spawned it, and that agent step's
   observation names it (`subagent_trajectory_ref`).
-- the outcome (reward, status, partial score, task, details) is in the root's `extra`.
+- the outcome (reward, status, partial score, task, details, time recorded) is in the
+  root's `extra`, a subagent's in its own.
 
 Calls recorded before the ledger kept requests (or on the completions endpoint) have no
 messages: their trajectories hold the agent steps only, and `notes` says so. Pure: reads
@@ -56,6 +63,8 @@ class _Segment:
     seen: list[Mapping[str, Any]] = field(default_factory=list)  # the last request's
     agent_steps: dict[str, dict[str, Any]] = field(default_factory=dict)  # by tool-call id
     by_call: dict[str, dict[str, Any]] = field(default_factory=dict)  # agent step by call
+    call_tools: list[tuple[dict[str, Any], list[dict[str, Any]] | None]] = field(
+        default_factory=list)  # (agent step, its call's tools) of the calls with messages
 
     @property
     def file_name(self) -> str:
@@ -75,6 +84,20 @@ def _arguments(text: Any) -> dict[str, Any]:
     except ValueError:
         value = None
     return dict(value) if isinstance(value, dict) else {"_raw": text}
+
+
+def arguments_text(arguments: Mapping[str, Any]) -> str:
+    """An ATIF tool call's arguments as the JSON text a model writes (`{"_raw": text}`,
+    what the export makes of text that is not a JSON object, gives the text back)."""
+    raw = arguments.get("_raw") if len(arguments) == 1 else None
+    return raw if isinstance(raw, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def recorded_tool_call(tool_call_id: str, name: str, arguments: Mapping[str, Any],
+                       ) -> dict[str, Any]:
+    """An ATIF tool call in the form the gateway records a call's tool calls: what the
+    import gives a call whose step's `extra` holds no `tool_calls`."""
+    return {"id": tool_call_id, "name": name, "arguments": arguments_text(arguments)}
 
 
 def _content(message: Mapping[str, Any]) -> str:
@@ -99,10 +122,6 @@ def _agent_step(call: Call) -> dict[str, Any]:
             "completion_token_ids": call.output_ids.tolist(),
             "logprobs": [float(x) for x in call.output_logprobs.tolist()],
         },
-        "extra": {"call_id": call.call_id, "role": call.role,
-                  "policy_version": call.policy_version,
-                  "finish_reason": call.finish_reason,
-                  "raw_tool_calls": call.raw_tool_calls},
     }
     if call.tool_calls:
         step["tool_calls"] = [
@@ -111,7 +130,30 @@ def _agent_step(call: Call) -> dict[str, Any]:
              "arguments": _arguments(t.get("arguments", t.get("function", {}).get(
                  "arguments", {})))}
             for i, t in enumerate(call.tool_calls)]
+    step["extra"] = _call_extra(call, step)
     return step
+
+
+def _call_extra(call: Call, step: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's ledger fields that the agent step does not carry (the module doc)."""
+    extra: dict[str, Any] = {
+        "call_id": call.call_id, "role": call.role, "policy_version": call.policy_version,
+        "finish_reason": call.finish_reason, "raw_tool_calls": call.raw_tool_calls,
+        "started_at": call.started_at, "ended_at": call.ended_at}
+    for name, value in (("task_id", call.task_id), ("parent_call_id", call.parent_call_id),
+                        ("parent_session_id", call.parent_session_id),
+                        ("sampling", call.sampling), ("metadata", call.metadata)):
+        if value:
+            extra[name] = value
+    if step["message"] != call.output_text:
+        extra["output_text"] = call.output_text
+    rebuilt = [recorded_tool_call(t["tool_call_id"], t["function_name"], t["arguments"])
+               for t in step.get("tool_calls", ())]
+    if (rebuilt or None) != call.tool_calls:
+        extra["tool_calls"] = call.tool_calls
+    if call.messages is None:
+        extra["messages_recorded"] = False
+    return extra
 
 
 def _history_step(message: Mapping[str, Any], copied: bool) -> dict[str, Any]:
@@ -200,6 +242,11 @@ def session_segments(log: CallLog) -> list[_Segment]:
             seg.agent_steps[tc["tool_call_id"]] = step
         if msgs is not None:
             seg.seen = list(msgs)
+            seg.call_tools.append((step, call.tools))
+    for seg in segments:  # a call offered other tools than the trajectory's names them
+        for step, tools in seg.call_tools:
+            if tools != seg.tools:
+                step["extra"]["tools"] = tools
     return segments
 
 
@@ -242,7 +289,8 @@ def _outcome_extra(outcome: Outcome | None) -> dict[str, Any]:
         return {"status": None, "reward": None}
     reward = outcome.reward if math.isfinite(outcome.reward) else None
     return {"status": outcome.status.value, "reward": reward,
-            "partial_score": outcome.partial_score, "details": outcome.details}
+            "partial_score": outcome.partial_score, "details": outcome.details,
+            "recorded_at": outcome.recorded_at}
 
 
 def episode_trajectories(store: LedgerStore, root_session: str) -> dict[str, dict[str, Any]]:

@@ -74,33 +74,61 @@ def _remove_new_store(path: Path, created_dirs: list[Path]) -> None:
 
 @ledger_app.command("import")
 def import_cmd(
-    file: Annotated[Path, typer.Argument(help="A JSON Lines file (docs/ledger.md).")],
     store: Annotated[Path, typer.Option("--store", help="Store to append to (created if new).")],
+    file: Annotated[
+        Path | None, typer.Argument(help="A JSON Lines file (docs/ledger.md).")
+    ] = None,
+    atif: Annotated[
+        Path | None, typer.Option("--atif", help="Import the Harbor ATIF trajectories in this "
+                                  "directory instead (docs/ledger.md).")
+    ] = None,
+    skip_untrainable: Annotated[
+        bool, typer.Option("--skip-untrainable", help="With --atif: skip agent steps without "
+                           "token ids or logprobs (noting each) instead of refusing them.")
+    ] = False,
 ) -> None:
-    """Import a JSONL file: all of it, or nothing if any line is bad."""
+    """Import a JSONL file, or a directory of ATIF trajectories: all of it, or nothing if
+    any of it is bad."""
     import sqlite3
 
-    from tidal.ledger.interchange import import_records, parse_jsonl
+    from tidal.ledger.atif_import import append_atif, read_atif
+    from tidal.ledger.interchange import ImportReport, import_records, parse_jsonl
 
-    try:
-        records = parse_jsonl(file)  # before the store exists: a bad file creates nothing
+    if (file is None) == (atif is None):
+        _fail("give a JSONL FILE or --atif DIR (one of them)")
+    if skip_untrainable and atif is None:
+        _fail("--skip-untrainable goes with --atif DIR")
+    source = file if file is not None else atif
+    try:  # all of it read and checked before the store exists: a bad input creates nothing
+        if file is not None:
+            records = parse_jsonl(file)
+        else:
+            assert atif is not None
+            trajectories = read_atif(atif, skip_untrainable=skip_untrainable)
+            for note in trajectories.notes:
+                typer.echo(f"note: {note}", err=True)
     except LedgerError as e:
         _fail(str(e))
     new = not store.exists()
     created = [d for d in store.absolute().parents if not d.exists()]
     s = _open(store, readonly=False)
+    rep: ImportReport
     try:
-        rep = import_records(records, s)
+        rep = import_records(records, s) if file is not None else append_atif(trajectories, s)
     except (LedgerError, sqlite3.Error) as e:
         empty = s.count_calls() == 0 and not s.outcomes()
         s.close()
         if new and empty:
             _remove_new_store(store, created)
-        msg = str(e) if isinstance(e, LedgerError) else f"{file}: {e} (nothing was imported)"
+        msg = str(e) if isinstance(e, LedgerError) else f"{source}: {e} (nothing was imported)"
         _fail(msg)
     finally:
         s.close()
-    typer.echo(f"imported {rep.calls} calls and {rep.outcomes} outcomes into {store}")
+    episodes = ""
+    if atif is not None:
+        n = trajectories.episodes
+        episodes = f" ({n} episode{'' if n == 1 else 's'})"
+    typer.echo(f"imported {rep.calls} calls and {rep.outcomes} outcomes{episodes} into {store}")
 
 
 @ledger_app.command("export")

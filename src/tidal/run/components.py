@@ -10,8 +10,9 @@ editing it:
   `TaskSet`, or a callable returning one;
 - harness (`agent.harness`): builtin, command; module:attr is fn(EpisodeContext) ->
   HarnessResult | None, or an object (or class) with `.run(ctx)`;
-- sandbox runtime (`rollout.sandbox`): bwrap, local; module:attr is fn(SandboxConfig) ->
-  a context manager yielding a `ToolRuntime`;
+- where episodes run (`rollout.sandbox`, `make_runtimes`): bwrap, docker (a container
+  engine), local; module:attr is fn(SandboxConfig) -> a context manager yielding a
+  `ToolRuntime`;
 - engine (`engine.kind`): embedded, vllm (servers started or attached); module:attr is
   fn(weights_dir, **options) -> Engine;
 - scheduler backend (`schedule.backend`): local, ray (rollout devices on a Ray
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.agent.environment import RuntimeFactory, SandboxRuntimes, TaskRuntimes
 from tidal.agent.episode import FunctionHarness, Harness
 from tidal.agent.harbor import GENERATED_SETS, HARBOR_SETS, load_split, load_tasks
 from tidal.agent.runtime import ToolRuntime
@@ -52,8 +54,6 @@ if TYPE_CHECKING:
     from tidal.schedule.backend import Migrator, SwitchHook
     from tidal.schedule.scheduler import RolloutScheduler
     from tidal.train.group import TrainerGroup, TrainerSpec
-
-RuntimeFactory = Callable[[SandboxConfig], contextlib.AbstractContextManager[ToolRuntime]]
 
 
 # --------------------------------------------------------------------------- checks
@@ -216,6 +216,21 @@ def make_runtime_factory(kind: str) -> RuntimeFactory:
             yield runtime
 
     return checked
+
+
+def make_runtimes(cfg: RunConfig) -> TaskRuntimes:
+    """Where the run's episodes run (`rollout.sandbox`): containers on the engine that
+    `tidal.agent.containers.connect` finds (it must answer now), with `[environment]
+    images` mapping references to engine images; else sandboxes of the named factory,
+    with the environments tidal builds."""
+    if cfg.rollout.sandbox == "docker":
+        from tidal.agent.containers import ContainerEnvironments, ContainerRuntimes, connect
+
+        env = cfg.environment
+        return ContainerRuntimes(ContainerEnvironments(
+            connect(), dict(env.images), default_image=env.default_image or None))
+    return SandboxRuntimes(make_runtime_factory(cfg.rollout.sandbox),
+                           environments=make_environments(cfg))
 
 
 def make_environments(cfg: RunConfig) -> Environments:

@@ -130,7 +130,12 @@ class AgentSection(_Section):
 class EnvironmentConfig(_Section):
     images: dict[str, str] = Field(
         default_factory=dict, description="FROM / docker_image reference -> a local image "
-        "directory, or \"default\" for tidal's default image",
+        "directory, or \"default\" for tidal's default image; with rollout.sandbox = "
+        "\"docker\", an image the engine has (the build tags it with the reference)",
+    )
+    default_image: str = Field(
+        "", description="rollout.sandbox = \"docker\": the engine image a task without an "
+        "environment (the built-in shell-skills sets) runs in; empty: such a task is refused",
     )
     fallback: str = Field(
         "", description="what an unmapped reference gets: \"default\", a directory, or "
@@ -223,8 +228,10 @@ class RolloutConfig(_Section):
         "start did not imitate (their answers are found, not recalled)",
     )
     sandbox: str = Field(
-        "bwrap", description="bwrap: isolated sandbox; local: a plain temp dir (trusted); "
-        "module:attr: a factory(SandboxConfig) -> context manager of a ToolRuntime",
+        "bwrap", description="bwrap: isolated sandbox; docker: a container on a Docker-API "
+        "engine ($DOCKER_HOST, else .ci/podman.sh's socket), each task's Dockerfile built "
+        "as written; local: a plain temp dir (trusted); module:attr: a "
+        "factory(SandboxConfig) -> context manager of a ToolRuntime",
     )
     snapshot_every: int = Field(
         10, ge=0, description="snapshot a live episode's sandbox every N model calls (0: "
@@ -393,6 +400,23 @@ class RunConfig(_Section):
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
 
+    def _docker_possible(self) -> None:
+        if self.agent.harness == "command":
+            raise ValueError(
+                "rollout.sandbox = \"docker\" cannot run agent.harness = \"command\": a harness "
+                "inside the container cannot reach the gateway on the host's loopback; use "
+                "agent.harness = \"builtin\" (its tools run in the container) or "
+                "rollout.sandbox = \"bwrap\"")
+        if self.environment.fallback:
+            raise ValueError(
+                "environment.fallback is for rollout.sandbox = \"bwrap\" (tidal's own image): "
+                "with \"docker\", map each FROM to an engine image in [environment] images")
+        defaults = sorted(k for k, v in self.environment.images.items() if v == "default")
+        if defaults:
+            raise ValueError(
+                f"environment.images maps {defaults[0]!r} to \"default\", tidal's bubblewrap "
+                "image: with rollout.sandbox = \"docker\" name an image the engine has")
+
     @model_validator(mode="after")
     def _possible(self) -> RunConfig:
         check_named("rollout.sandbox", self.rollout.sandbox)
@@ -430,6 +454,8 @@ class RunConfig(_Section):
                 f"built-in harness's format; with agent.harness = {self.agent.harness!r} set "
                 "warmstart.steps = 0"
             )
+        if self.rollout.sandbox == "docker":
+            self._docker_possible()
         if self.rl.steps == 0 and self.warmstart.steps == 0:
             raise ValueError("nothing to do: warmstart.steps and rl.steps are both 0")
         if self.schedule.migration and (self.schedule.policy != "elastic"

@@ -97,8 +97,7 @@ class NodeHost:
             store=self.store, run_dir=run_dir, harness=components.make_harness(cfg, agent),
             eval_harness=components.make_harness(cfg, replace(agent,
                                                               temperature=cfg.eval.temperature)),
-            new_runtime=components.make_runtime_factory(cfg.rollout.sandbox),
-            environments=components.make_environments(cfg), model_name=spec.model_name)
+            runtimes=components.make_runtimes(cfg), model_name=spec.model_name)
 
     def where(self) -> tuple[str, str, int]:
         """Its node's id, its ledger shard's directory and its process id."""

@@ -23,9 +23,7 @@ from tidal.agent.command import CommandHarness
 from tidal.agent.preempt import LiveEpisodes, Preempted, abandoned_calls
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import Task
-from tidal.run.components import RuntimeFactory
 from tidal.run.rollout import Episode, Rollouts, group_result, sampled_figures
-from tidal.sandbox import SandboxConfig
 from tidal.schedule.backend import RolloutResult, Work
 
 
@@ -66,13 +64,12 @@ class _GroupHooks:
         return Episode(task.task_id, session_id, tuple(sessions), o.status.value, o.reward,
                        o.partial_score, len(calls), 0.0, **sampled_figures(calls))
 
-    def runtime(self, task: Task, session_id: str, config: SandboxConfig,
-                new_runtime: RuntimeFactory
+    def runtime(self, task: Task, session_id: str, limit_s: float
                 ) -> contextlib.AbstractContextManager[tuple[ToolRuntime, float]]:
         # a harness whose tools run inside the sandbox cannot be snapshotted between its
         # tool calls: its resumed episode starts in a fresh sandbox
         return self.live.runtime(
-            self.key, task.task_id, session_id, config, new_runtime, resume=self.resume,
+            self.key, task, session_id, limit_s=limit_s, resume=self.resume,
             snapshots=not isinstance(self.rollouts.harness, CommandHarness))
 
     def abandoned(self, session_ids: Sequence[str]) -> dict[str, list[str]]:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from tidal.agent.environment import TaskRuntimes
 from tidal.agent.episode import Harness
 from tidal.agent.preempt import LiveEpisodes, LiveGroup
 from tidal.agent.tasks import Demonstration, Task, TaskError, taught
@@ -200,7 +201,7 @@ class Resolved:
     tasks: components.Tasks
     harness: Harness
     eval_harness: Harness
-    new_runtime: components.RuntimeFactory
+    runtimes: TaskRuntimes  # where episodes run
     base_dir: Path  # the model's checkpoint directory
 
 
@@ -214,7 +215,7 @@ def resolve(cfg: RunConfig) -> Resolved:
         harness = components.make_harness(cfg, agent_cfg)
         eval_harness = components.make_harness(
             cfg, replace(agent_cfg, temperature=cfg.eval.temperature))
-        new_runtime = components.make_runtime_factory(cfg.rollout.sandbox)
+        runtimes = components.make_runtimes(cfg)
         for key, value in (("schedule.backend", cfg.schedule.backend),
                            ("engine.kind", cfg.engine.kind)):
             if is_attr(value):
@@ -229,7 +230,7 @@ def resolve(cfg: RunConfig) -> Resolved:
             check_run(cfg, base_dir)
     except (TaskError, ComponentError, ClusterError) as e:
         raise RunError(str(e)) from e
-    return Resolved(tasks, harness, eval_harness, new_runtime, base_dir)
+    return Resolved(tasks, harness, eval_harness, runtimes, base_dir)
 
 
 def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> Parts:
@@ -243,7 +244,7 @@ def build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None) -> 
     try:
         return _build(cfg, run_dir, state, ckpt, t_start=t_start, tasks=got.tasks,
                       harness=got.harness, eval_harness=got.eval_harness,
-                      new_runtime=got.new_runtime, log=log, base_dir=got.base_dir)
+                      runtimes=got.runtimes, log=log, base_dir=got.base_dir)
     except BaseException:
         log.close(failed=True)
         raise
@@ -262,15 +263,14 @@ def _open_log(cfg: RunConfig, run_dir: Path, *, resume: bool) -> RunLog:
 
 def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
            t_start: float, tasks: components.Tasks, harness: Harness, eval_harness: Harness,
-           new_runtime: components.RuntimeFactory, log: RunLog, base_dir: Path) -> Parts:
+           runtimes: TaskRuntimes, log: RunLog, base_dir: Path) -> Parts:
     """The heavy parts, once every name resolved and the loggers started."""
-    environments = components.make_environments(cfg)
     if cfg.rollout.sandbox == "local" and any(
             t.environment for t in (*tasks.train, *tasks.heldout)):
         raise RunError("rollout.sandbox = \"local\" cannot build the tasks' environments: use "
                        "\"bwrap\"")
     try:
-        environments.prepare((*tasks.train, *tasks.heldout))
+        runtimes.prepare((*tasks.train, *tasks.heldout))
     except TaskError as e:
         raise RunError(str(e)) from e
     device = components.resolve_device(cfg.model.device)
@@ -293,8 +293,8 @@ def _build(cfg: RunConfig, run_dir: Path, state: RunState, ckpt: Path | None, *,
         raise RunError(str(e)) from e
     store = LedgerStore(run_dir / "ledger.db")
     stack = build_stack(cfg, engine=engine, tokenizer=tokenizer, store=store, run_dir=run_dir,
-                        harness=harness, eval_harness=eval_harness, new_runtime=new_runtime,
-                        environments=environments, model_name=model_name)
+                        harness=harness, eval_harness=eval_harness, runtimes=runtimes,
+                        model_name=model_name)
     groups: GroupRunner = stack.live
     if cfg.schedule.backend == "ray":  # rollout devices on the cluster's nodes
         from tidal.run.hosts import ClusterEngine, ClusterRollouts, HostSpec

@@ -20,7 +20,7 @@ from tidal.agent.tasks import TASK_SETS
 BUILTIN_TASK_SOURCES: tuple[str, ...] = (*TASK_SETS, *HARBOR_SETS, *GENERATED_SETS)
 BUILTINS: dict[str, tuple[str, ...]] = {
     "agent.harness": ("builtin", "command"),
-    "rollout.sandbox": ("bwrap", "local"),
+    "rollout.sandbox": ("bwrap", "docker", "local"),
     "engine.kind": ("embedded", "vllm"),
     "schedule.backend": ("local", "ray"),
 }
@@ -52,19 +52,8 @@ def load_attr(spec: str, key: str) -> Any:
     return obj
 
 
-# names a user may expect that are not built-ins of a seam (yet): what to do instead
-NOT_YET: dict[tuple[str, str], str] = {
-    ("rollout.sandbox", "docker"): (
-        "rollout.sandbox = \"docker\" is not available to `tidal run` yet (its preemption "
-        "restores bubblewrap snapshots): the container runtime checks tasks as written, "
-        "`tidal tasks check DIR --sandbox docker` (docs/workload.md); runs use \"bwrap\""),
-}
-
-
 def check_named(key: str, value: str) -> None:
     """A built-in name of `key`'s seam, or module:attr syntax (imported at run start)."""
-    if (key, value) in NOT_YET:
-        raise ValueError(NOT_YET[(key, value)])
     if value not in BUILTINS[key] and not is_attr(value):
         raise ValueError(f"{key} {value!r} is neither a built-in ({', '.join(BUILTINS[key])}) "
                          "nor module:attr")

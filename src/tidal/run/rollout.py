@@ -1,10 +1,11 @@
 """Rollouts for the RL loop: run task episodes through the gateway, grade, record outcomes.
 
-Each episode gets a fresh runtime made from the task's environment (a bubblewrap sandbox
-by default: `tidal.agent.environment`), runs the configured harness against its own
-session URL, is graded by the task's grader in the same runtime, and has one outcome per
-session (main and subagents) appended to the ledger. Episodes run on threads: harnesses
-wait on HTTP, and the embedded engine batches the concurrent requests into one forward.
+Each episode gets a fresh runtime made from the task's environment (`TaskRuntimes`,
+`tidal.agent.environment`: a bubblewrap sandbox, or a container), runs the configured
+harness against its own session URL, is graded by the task's grader in the same
+runtime, and has one outcome per session (main and subagents) appended to the ledger.
+Episodes run on threads: harnesses wait on HTTP, and the embedded engine batches the
+concurrent requests into one forward.
 
 The unit of scheduled work is a task group (the GRPO group: `group_size` episodes of one
 task, run together), so a trained mini-batch always holds whole groups and every
@@ -21,7 +22,6 @@ What an episode's outcome says (docs/agent.md, "Statuses"):
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 import uuid
@@ -29,21 +29,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from tidal.agent.endpoint import API_KEY_PLACEHOLDER
+from tidal.agent.environment import TaskRuntimes
 from tidal.agent.episode import EpisodeContext, Harness, HarnessResult, run_task
 from tidal.agent.preempt import Preempted
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.tasks import Demonstration, Grade, Task, demonstrations
 from tidal.gateway.access import SessionKeys
 from tidal.ledger import Call, LedgerStore, Outcome, Status
-from tidal.run.components import RuntimeFactory
-from tidal.sandbox import SandboxConfig
 from tidal.schedule.backend import RolloutResult
-
-if TYPE_CHECKING:
-    from tidal.agent.environment import Environments
 
 LOG_TAIL = 1000  # characters of each harness stream kept in the outcome's details
 
@@ -142,10 +138,10 @@ class EpisodeHooks(Protocol):
         """An episode that already ended (a resumed group's), instead of running it."""
         ...
 
-    def runtime(self, task: Task, session_id: str, config: SandboxConfig,
-                new_runtime: RuntimeFactory
+    def runtime(self, task: Task, session_id: str, limit_s: float
                 ) -> contextlib.AbstractContextManager[tuple[ToolRuntime, float]]:
-        """The episode's runtime and the wall clock the episode already used."""
+        """The episode's runtime (for `limit_s` seconds) and the wall clock the episode
+        already used."""
         ...
 
     def abandoned(self, session_ids: Sequence[str]) -> dict[str, list[str]]:
@@ -157,16 +153,19 @@ class EpisodeHooks(Protocol):
         ...
 
 
-class _Plain:
-    """The plain path: a fresh runtime, nothing saved, nothing resumed."""
+@dataclass(frozen=True)
+class Plain:
+    """The plain path: a fresh runtime of `runtimes`, nothing saved, nothing resumed."""
+
+    runtimes: TaskRuntimes
 
     def finished(self, task: Task, session_id: str) -> Episode | None:
         return None
 
     @contextlib.contextmanager
-    def runtime(self, task: Task, session_id: str, config: SandboxConfig,
-                new_runtime: RuntimeFactory) -> Iterator[tuple[ToolRuntime, float]]:
-        with new_runtime(config) as runtime:
+    def runtime(self, task: Task, session_id: str, limit_s: float
+                ) -> Iterator[tuple[ToolRuntime, float]]:
+        with self.runtimes.runtime(task, limit_s) as runtime:
             yield runtime, 0.0
 
     def abandoned(self, session_ids: Sequence[str]) -> dict[str, list[str]]:
@@ -176,15 +175,12 @@ class _Plain:
         pass
 
 
-PLAIN: EpisodeHooks = _Plain()
-
 
 @dataclass(frozen=True)
 class Rollouts:
     """Where and how episodes run: the gateway's URL and model name, the harness, a
-    fresh runtime per episode made from `sandbox` (the base config: limits, the
-    gateway's port, mounts) and the task's environment (`environments`), and the
-    ledger that gets the outcomes. A task's time limit is `time_limit_s` when given
+    fresh runtime per episode of the task's environment (`runtimes`), and the ledger
+    that gets the outcomes. A task's time limit is `time_limit_s` when given
     (`agent.timeout_sec`), else its own, else `default_time_limit_s`. `log_dir`, when
     given, keeps each session's harness output (`<session>.stdout.txt`, `.stderr.txt`).
     `forget`, when given, is called with each session id of an episode once its
@@ -195,10 +191,8 @@ class Rollouts:
     gateway_url: str
     model: str
     harness: Harness
-    new_runtime: RuntimeFactory
+    runtimes: TaskRuntimes
     store: LedgerStore
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    environments: Environments | None = None
     default_time_limit_s: float = 60.0
     time_limit_s: float | None = None
     log_dir: Path | None = None
@@ -208,23 +202,18 @@ class Rollouts:
     def limit(self, task: Task) -> float:
         return self.time_limit_s or task.time_limit_s or self.default_time_limit_s
 
-    def config_for(self, task: Task) -> SandboxConfig:
-        """The episode's sandbox: the task's environment on the base config, with CPU
-        time enough for a harness that runs as long as the episode may."""
-        base = self.sandbox
-        cpu = (self.limit(task) + 600.0) * (os.cpu_count() or 1)
-        base = replace(base, limits=replace(base.limits, cpu_s=max(base.limits.cpu_s, cpu)))
-        return base if self.environments is None else self.environments.sandbox_config(task, base)
-
-    def one(self, task: Task, session_id: str, *, hooks: EpisodeHooks = PLAIN) -> Episode:
-        """Run, grade and record one episode (`hooks`: what wraps it, `EpisodeHooks`)."""
+    def one(self, task: Task, session_id: str, *, hooks: EpisodeHooks | None = None
+            ) -> Episode:
+        """Run, grade and record one episode (`hooks`: what wraps it, `EpisodeHooks`;
+        None: the plain path)."""
+        hooks = hooks or Plain(self.runtimes)
         t0 = time.perf_counter()
         ended = hooks.finished(task, session_id)
         if ended is not None:
             return ended
         try:
-            with hooks.runtime(task, session_id, self.config_for(task),
-                               self.new_runtime) as (runtime, used), self._key(session_id) as key:
+            with hooks.runtime(task, session_id, self.limit(task)) as (runtime, used), \
+                    self._key(session_id) as key:
                 ctx = EpisodeContext(self.gateway_url, session_id, self.model, task,
                                      runtime, self.limit(task),
                                      started=time.monotonic() - used, api_key=key)
@@ -283,7 +272,7 @@ class Rollouts:
         the files, paths and tool outputs its rollouts will see."""
         if task.environment is None:
             return demonstrations(task)
-        with self.new_runtime(self.config_for(task)) as runtime:
+        with self.runtimes.runtime(task, self.limit(task)) as runtime:
             return demonstrations(task, runtime=runtime)
 
     def _note_subagents(self, main: str, tree: Mapping[str, str | None]) -> None:
@@ -315,7 +304,7 @@ class Rollouts:
         *,
         workers: int,
         on_done: Callable[[Episode], None] | None = None,
-        hooks: EpisodeHooks = PLAIN,
+        hooks: EpisodeHooks | None = None,
     ) -> list[Episode]:
         """Run (task, session id) jobs on `workers` threads; results in job order. When
         an episode was preempted (`Preempted`), every other one ends first, then

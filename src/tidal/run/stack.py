@@ -15,18 +15,16 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from tidal.agent.environment import Environments
+from tidal.agent.environment import TaskRuntimes
 from tidal.agent.episode import Harness
 from tidal.agent.preempt import LiveEpisodes, SnapshotPolicy
 from tidal.engine.base import Engine
 from tidal.gateway.access import SessionKeys
 from tidal.gateway.server import GatewayServer
 from tidal.ledger import LedgerStore
-from tidal.run.components import RuntimeFactory
 from tidal.run.config import RunConfig
 from tidal.run.live import LiveRollouts
 from tidal.run.rollout import Rollouts, seed_key
-from tidal.sandbox import SandboxConfig
 from tidal.sandbox.types import Bind
 
 
@@ -47,8 +45,7 @@ class Stack:
 
 def build_stack(cfg: RunConfig, *, engine: Engine, tokenizer: PreTrainedTokenizerBase,
                 store: LedgerStore, run_dir: Path, harness: Harness, eval_harness: Harness,
-                new_runtime: RuntimeFactory, environments: Environments,
-                model_name: str) -> Stack:
+                runtimes: TaskRuntimes, model_name: str) -> Stack:
     """The gateway on `engine` recording into `store`, started, and the rollouts that run
     episodes through it (harness logs in RUN_DIR/harness, live groups in RUN_DIR/live)."""
     # every request seeded from (run seed, session, call): `tidal.gateway.core.call_seed`
@@ -57,18 +54,21 @@ def build_stack(cfg: RunConfig, *, engine: Engine, tokenizer: PreTrainedTokenize
     gateway = GatewayServer(engine, tokenizer, store, tool_parsers=cfg.engine.tool_parser or None,
                             lenient_tool_parsing=not cfg.engine.tool_parser_strict,
                             seed=cfg.seed, seed_key=seed_key, access=keys)
+    url = gateway.start()
+    outside = cfg.agent.harness == "builtin"  # harnesses inside the sandbox reach the gateway
+    try:
+        runtimes = runtimes.with_access(() if outside else (gateway.port,),
+                                        tuple(Bind.parse(m) for m in cfg.agent.mounts))
+    except BaseException:
+        gateway.stop()
+        raise
     # live task groups saved as they run, so a killed run resumes their episodes
-    live = LiveEpisodes(run_dir / "live", store, gateway.gateway,
+    live = LiveEpisodes(run_dir / "live", store, gateway.gateway, runtimes,
                         SnapshotPolicy(cfg.rollout.snapshot_every, cfg.rollout.snapshot_every_s))
     gateway.gateway.on_record.append(live.note_call)
     gateway.gateway.on_forget.append(engine.forget)  # a server pool drops the session's pin
-    url = gateway.start()
-    outside = cfg.agent.harness == "builtin"  # harnesses inside the sandbox reach the gateway
-    sandbox = SandboxConfig(allow_ports=() if outside else (gateway.port,),
-                            binds=tuple(Bind.parse(m) for m in cfg.agent.mounts))
     rollouts = Rollouts(
-        url, model_name, harness, new_runtime, store, sandbox=sandbox,
-        environments=environments, default_time_limit_s=cfg.tasks.time_limit_s,
+        url, model_name, harness, runtimes, store, default_time_limit_s=cfg.tasks.time_limit_s,
         time_limit_s=cfg.agent.timeout_sec or None, log_dir=run_dir / "harness",
         forget=gateway.gateway.forget_session, keys=keys,
     )

@@ -17,8 +17,9 @@ from tidal.sandbox.build import (
     resolve_base,
 )
 from tidal.sandbox.dockerfile import Dockerfile, DockerfileError, needs_network, parse_dockerfile
+from tidal.sandbox.oplog import LogEntry
 from tidal.sandbox.runtime import Box, Runtime
-from tidal.sandbox.sandbox import Command, LogEntry, Sandbox, Snapshot, command_argv
+from tidal.sandbox.sandbox import Command, Sandbox, Snapshot, command_argv
 from tidal.sandbox.types import (
     Bind,
     ExecResult,

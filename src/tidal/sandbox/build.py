@@ -114,22 +114,28 @@ class Environment:
     built: bool
     seconds: float
     fallback_for: str | None = None  # the FROM / docker_image the fallback stood in for
+    # the FROM that tidal's default image stood in for, as the Dockerfile declares
+    # (`LABEL tidal.image="default"`) and the run did not map
+    declared_for: str | None = None
 
 
 # --------------------------------------------------------------------------- base
 
 
 def resolve_base(ref: str, images: Mapping[str, str], fallback: str | None, *,
-                 file: str = "", line: int = 0) -> str | None:
+                 file: str = "", line: int = 0, declared_default: bool = False) -> str | None:
     """The image directory for a FROM / docker_image reference, None for tidal's default
     image. `images` maps references to directories or "default": the exact reference
     first, then without its tag or digest (`ubuntu:24.04` -> `ubuntu`).
-    `tidal/default` is always the default image. An unmapped reference gets `fallback`
-    ("default", a directory), or, when that is None, a DockerfileError."""
+    `tidal/default` is always the default image. An unmapped reference gets the default
+    image when `declared_default` (the Dockerfile's `LABEL tidal.image="default"`), else
+    `fallback` ("default", a directory), or, when that is None, a DockerfileError."""
     name = _without_tag(ref)
     if name == DEFAULT_IMAGE_REF:
         return None
     value = images.get(ref, images.get(name))
+    if value is None and declared_default:
+        return None
     if value is None:
         if fallback is None:
             raise DockerfileError(file, line, f"the image {ref!r} is not mapped to a local "
@@ -631,14 +637,17 @@ def build_environment(dockerfile: Path, *, context: Path, images: Mapping[str, s
     """The environment `dockerfile` describes, built into `cache_dir` unless it is there.
 
     `context` is the build context COPY/ADD read from; `images`/`fallback` map FROM to a
-    base (see `resolve_base`); `timeout_s` bounds each RUN (wall-clock and CPU);
-    `limits` replaces the builder sandbox's limits (`build_limits`); `state_dir` is the
-    sandbox state directory. DockerfileError for what cannot be built (before anything
-    runs), BuildError when a step fails."""
+    base (see `resolve_base`; a Dockerfile with `LABEL tidal.image="default"` gets the
+    default image where `images` does not map its FROM); `timeout_s` bounds each RUN
+    (wall-clock and CPU); `limits` replaces the builder sandbox's limits (`build_limits`);
+    `state_dir` is the sandbox state directory. DockerfileError for what cannot be built
+    (before anything runs), BuildError when a step fails."""
     t0 = time.monotonic()
     dockerfile, context = Path(dockerfile), Path(context)
     df = parse_dockerfile(dockerfile.read_text(encoding="utf-8"), str(dockerfile))
-    base = resolve_base(df.base, images, fallback, file=df.file, line=df.base_line)
+    declared = df.declares_default_image
+    base = resolve_base(df.base, images, fallback, file=df.file, line=df.base_line,
+                        declared_default=declared)
     ctx = _Context(context, df, Path(cache_dir))
     plans = {ins.line: ctx.plan(ins) for ins in df.instructions if isinstance(ins, Copy)}
     built = False
@@ -652,9 +661,11 @@ def build_environment(dockerfile: Path, *, context: Path, images: Mapping[str, s
         layers = (str(cache / key / "layer"),)
     else:
         key = _cache_key(df, _base_identity(base, state_dir, full=False), plans)
+    mapped = is_mapped(df.base, images)
     return Environment(image=base, layers=layers, workdir=df.workdir, env=dict(df.env),
                        key=key, built=built, seconds=time.monotonic() - t0,
-                       fallback_for=None if is_mapped(df.base, images) else df.base)
+                       fallback_for=None if mapped or declared else df.base,
+                       declared_for=df.base if declared and not mapped else None)
 
 
 def image_environment(ref: str, *, images: Mapping[str, str], fallback: str | None,

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 
 DEFAULT_SHELL = ("/bin/sh", "-c")
 DEFAULT_IMAGE_REF = "tidal/default"  # always tidal's default image, no mapping needed
+# `LABEL tidal.image="default"`: the Dockerfile's author declares that tidal's default image
+# stands in for its FROM when a run maps no image for it (tidal's built-in sets say so)
+DEFAULT_IMAGE_LABEL = "tidal.image"
 IGNORED = frozenset({"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "VOLUME",
                      "HEALTHCHECK", "STOPSIGNAL"})
 
@@ -127,7 +130,8 @@ class Ignored(Instruction):
 @dataclass(frozen=True)
 class Dockerfile:
     """A parsed Dockerfile. `base` is the FROM reference (after ARG substitution),
-    `workdir` the last WORKDIR (None if none), `env` the ENV at the end."""
+    `workdir` the last WORKDIR (None if none), `env` the ENV at the end, `labels` the
+    LABEL values at the end (they change nothing that is built)."""
 
     file: str
     base: str
@@ -136,11 +140,18 @@ class Dockerfile:
     instructions: tuple[Instruction, ...]
     workdir: str | None
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def builds_layer(self) -> bool:
         """Whether anything changes files (RUN, COPY, ADD); else no layer is needed."""
         return any(isinstance(i, Run | Copy) for i in self.instructions)
+
+    @property
+    def declares_default_image(self) -> bool:
+        """Whether the file says `LABEL tidal.image="default"`: tidal's default image may
+        stand in for FROM where the run maps no image for it (`build.resolve_base`)."""
+        return self.labels.get(DEFAULT_IMAGE_LABEL) == "default"
 
 
 # --------------------------------------------------------------------------- lines
@@ -494,6 +505,7 @@ class _Parser:
         self.meta_args: dict[str, str | None] = {}  # ARGs before FROM
         self.args: dict[str, str | None] = {}
         self.env: dict[str, str] = {}
+        self.labels: dict[str, str] = {}
         self.workdir: str | None = None
         self.shell: tuple[str, ...] = DEFAULT_SHELL
         self.base: str | None = None
@@ -551,6 +563,8 @@ class _Parser:
         if handler is not None:
             handler(op, rest)
         elif op in IGNORED:
+            if op == "LABEL":
+                self.label(rest)
             self.out.append(Ignored(line, op, rest))
         elif op == "ONBUILD":
             raise self.error("ONBUILD is not supported",
@@ -595,22 +609,45 @@ class _Parser:
             raise self.error("ARG needs a name", "write ARG <name>[=<default>]")
         self.out.append(Arg(self.line, "ARG", tuple(values)))
 
-    def env_(self, op: str, rest: str) -> None:
+    def pairs(self, op: str, rest: str) -> list[tuple[str, str]]:
+        """ENV's and LABEL's `KEY=VALUE ...`, or the older `KEY VALUE` (one pair)."""
         first = rest.split(None, 1)[0] if rest else ""
         pairs: list[tuple[str, str]] = []
         if "=" in first:
             for w in self.words(rest):
                 key, sep, value = w.partition("=")
                 if not sep or not key:
-                    raise self.error(f"ENV {w!r} is not KEY=VALUE",
-                                     "write ENV KEY=VALUE [KEY2=VALUE2 ...]")
+                    raise self.error(f"{op} {w!r} is not KEY=VALUE",
+                                     f"write {op} KEY=VALUE [KEY2=VALUE2 ...]")
                 pairs.append((key, value))
         else:
             parts = rest.split(None, 1)
             if len(parts) != 2:
-                raise self.error("ENV needs a value", "write ENV KEY=VALUE")
-            pairs.append((self.word("ENV", parts[0]),
+                raise self.error(f"{op} needs a value", f"write {op} KEY=VALUE")
+            pairs.append((self.word(op, parts[0]),
                           "".join(self.words(parts[1], split=False))))
+        return pairs
+
+    def label(self, rest: str) -> None:
+        """LABEL changes nothing built; tidal reads one of them (DEFAULT_IMAGE_LABEL). A
+        LABEL it cannot read stays ignored, as before, unless it names that one."""
+        remedy = (f"write LABEL {DEFAULT_IMAGE_LABEL}=\"default\", or map FROM to an image "
+                  "directory in [environment] images")
+        try:
+            pairs = self.pairs("LABEL", rest)
+        except DockerfileError as e:
+            if DEFAULT_IMAGE_LABEL not in rest:
+                return
+            raise self.error(f"cannot read LABEL {rest} ({e.problem})", remedy) from None
+        for key, value in pairs:
+            if key == DEFAULT_IMAGE_LABEL and value != "default":
+                raise self.error(f"LABEL {DEFAULT_IMAGE_LABEL}={value!r}: the only value tidal "
+                                 "reads is \"default\" (its default image stands in for FROM)",
+                                 remedy)
+            self.labels[key] = value
+
+    def env_(self, op: str, rest: str) -> None:
+        pairs = self.pairs("ENV", rest)
         for key, value in pairs:
             if "\0" in key + value:
                 raise self.error(f"ENV {key!r} contains NUL", "remove it")
@@ -720,4 +757,5 @@ def parse_dockerfile(text: str, file: str) -> Dockerfile:
             raise p.error("the Dockerfile is empty", "start it with FROM <image>")
         raise p.error("there is no FROM instruction", "start the Dockerfile with FROM <image>")
     return Dockerfile(file=file, base=p.base, base_line=p.base_line, stage=p.stage,
-                      instructions=tuple(p.out), workdir=p.workdir, env=dict(p.env))
+                      instructions=tuple(p.out), workdir=p.workdir, env=dict(p.env),
+                      labels=dict(p.labels))

@@ -23,13 +23,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import json
 import math
 import os
 import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 
 from tidal.sandbox.layer import ArchiveReader, ArchiveWriter
 from tidal.sandbox.memory import criu_status
+from tidal.sandbox.oplog import LogEntry, OpLog, op_key
 from tidal.sandbox.paths import normalize
 from tidal.sandbox.runtime import Box, Runtime
 from tidal.sandbox.types import (
@@ -44,7 +43,6 @@ from tidal.sandbox.types import (
     FileEntry,
     MemorySnapshotUnavailableError,
     MemorySnapshotWarning,
-    ReplayDivergenceError,
     SandboxConfig,
     SandboxError,
     SandboxPathError,
@@ -87,31 +85,6 @@ def command_argv(command: object, shell: str | None) -> list[str]:
 
 
 # --------------------------------------------------------------------------- log
-
-
-@dataclass(frozen=True)
-class LogEntry:
-    """One operation and its result. `key` identifies the operation (op + arguments,
-    hashed); `args` is a readable summary; `result` is op-specific JSON."""
-
-    seq: int
-    op: str
-    key: str
-    args: Mapping[str, Any]
-    result: Mapping[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "op": self.op, "key": self.key, "args": self.args,
-                "result": self.result}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LogEntry:
-        return cls(seq=d["seq"], op=d["op"], key=d["key"], args=d["args"], result=d["result"])
-
-
-def _key(op: str, args: Mapping[str, Any]) -> str:
-    blob = json.dumps({"op": op, **args}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -209,11 +182,7 @@ class Sandbox:
         self._active_unpaused = 0
         self._exclusive = False
         self._paused = False
-        self._log: list[LogEntry] = []
-        self._log_lock = threading.Lock()
-        self._replay: dict[str, deque[LogEntry]] = {}
-        self._replay_left = 0
-        self._strict = True
+        self._oplog = OpLog()
         self._snap_n = 0
 
     # ----------------------------------------------------------------- lifecycle
@@ -324,35 +293,12 @@ class Sandbox:
 
     @property
     def log(self) -> tuple[LogEntry, ...]:
-        with self._log_lock:
-            return tuple(self._log)
+        return self._oplog.entries
 
     @property
     def replay_pending(self) -> int:
         """Logged operations not yet asked for again since the restore."""
-        return self._replay_left
-
-    def _replayed(self, op: str, key: str, args: Mapping[str, Any]) -> LogEntry | None:
-        with self._log_lock:
-            if not self._replay_left:
-                return None
-            q = self._replay.get(key)
-            if q:
-                self._replay_left -= 1
-                return q.popleft()
-            if not self._strict:
-                return None
-            waiting = min((e for q in self._replay.values() for e in q), key=lambda e: e.seq)
-        raise ReplayDivergenceError(
-            f"{op} {json.dumps(args)} is not in the restored command log, while "
-            f"{self._replay_left} logged operation(s) have not been asked for again; the next "
-            f"logged one is #{waiting.seq}: {waiting.op} {json.dumps(waiting.args)}. A restored "
-            "sandbox must be driven through the same operations first.")
-
-    def _append(self, op: str, key: str, args: Mapping[str, Any],
-                result: Mapping[str, Any]) -> None:
-        with self._log_lock:
-            self._log.append(LogEntry(len(self._log), op, key, dict(args), dict(result)))
+        return self._oplog.pending
 
     # ----------------------------------------------------------------- operations
 
@@ -377,23 +323,23 @@ class Sandbox:
         args: dict[str, Any] = {
             "argv": argv, "cwd": workdir, "env": call_env,
             "stdin_sha256": hashlib.sha256(stdin).hexdigest() if stdin else None}
-        key = _key("exec", args)
+        key = op_key("exec", args)
         with self._op() as box:
-            hit = self._replayed("exec", key, args)
+            hit = self._oplog.replayed("exec", key, args)
             if hit is not None:
                 return ExecResult.from_dict(hit.result, replayed=True)
             if cwd is not None and not box.is_dir(workdir):
                 raise SandboxPathError(f"cwd {cwd!r} is not a directory in the sandbox")
             full_env = {**default_env(), **self.config.env, **call_env}
             result = box.exec(argv, cwd=workdir, env=full_env, stdin=stdin, wall_s=float(wall))
-            self._append("exec", key, args, result.to_dict())
+            self._oplog.append("exec", key, args, result.to_dict())
             return result
 
     def _file_op(self, op: str, args: dict[str, Any], run: Any, encode: Any, decode: Any,
                  *, allow_paused: bool) -> Any:
-        key = _key(op, args)
+        key = op_key(op, args)
         with self._op(allow_paused=allow_paused):
-            hit = self._replayed(op, key, args)
+            hit = self._oplog.replayed(op, key, args)
             if hit is not None:
                 if "error" in hit.result:
                     _raise_logged(hit.result)
@@ -401,9 +347,9 @@ class Sandbox:
             try:
                 value = run()
             except (OSError, SandboxPathError) as e:
-                self._append(op, key, args, _error_result(e))
+                self._oplog.append(op, key, args, _error_result(e))
                 raise
-            self._append(op, key, args, encode(value))
+            self._oplog.append(op, key, args, encode(value))
             return value
 
     def read_file(self, path: str | os.PathLike[str]) -> bytes:
@@ -561,17 +507,11 @@ class Sandbox:
             config = replace(config, **overrides)
         sb = cls(config, runtime=runtime)
         try:
-            entries = [LogEntry.from_dict(d) for d in reader.log]
-        except (KeyError, TypeError) as err:
-            raise SandboxError(f"snapshot {str(snap.path)!r} has a damaged command log") from err
-        if [e.seq for e in entries] != list(range(len(entries))):
-            raise SandboxError(f"snapshot {str(snap.path)!r} has a damaged command log")
+            log = OpLog.restored(reader.log, strict=strict, where=f"snapshot {str(snap.path)!r}")
+        except ValueError as err:
+            raise SandboxError(str(err)) from err
         sb.start(_layers=reader)
-        sb._log = list(entries)
-        for e in entries:
-            sb._replay.setdefault(e.key, deque()).append(e)
-        sb._replay_left = len(entries)
-        sb._strict = strict
+        sb._oplog = log
         return sb
 
     def __repr__(self) -> str:
