@@ -13,17 +13,20 @@ cached build + start + grade (pristine) under 200 ms beyond the harness's own ti
     .venv/bin/python bench/workload.py                 # swe-mini's first tasks
     .venv/bin/python bench/workload.py --tasks DIR --image ubuntu:24.04=default
 
-With `--container REF=IMAGE` (repeatable; e.g. `tidal/default=localhost/tidal-base:bookworm`,
-the image .ci/podman.sh builds), the same tasks also on the container runtime
-(`tidal.agent.containers`, a Docker-API engine), in the same run: the image built cold by
-the engine and found by a fresh builder, the container started, prepared and removed,
-one `exec` of `true`, a snapshot (a commit), and the grade (pristine: a fresh container
-carrying the workdir); bubblewrap's exec and snapshot are timed beside them.
+With `--container REF=IMAGE` (repeatable; e.g. `python:3.11-slim-bookworm=localhost/tidal-
+base:bookworm` for the built-in sets, the image .ci/podman.sh builds), the same tasks also
+on the container runtime (`tidal.agent.containers`, a Docker-API engine), in the same
+run: the image built cold by the engine and found by a fresh builder, the container
+started, prepared and removed, one `exec` of `true`, a snapshot (a commit and the command
+log), a restore from it (a container from the committed image, the log replayed: the
+`exec` answered from it), and the grade (pristine: a fresh container carrying the
+workdir); bubblewrap's exec, snapshot and restore are timed beside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -33,11 +36,12 @@ from typing import Any
 
 from tidal.agent.containers import (
     ContainerEnvironments,
+    ContainerRuntime,
     connect,
     container_runtime,
     remove_snapshot,
 )
-from tidal.agent.environment import Environments
+from tidal.agent.environment import Environments, SandboxRuntimes
 from tidal.agent.harbor import load_tasks
 from tidal.agent.sandboxed import sandboxed_runtime
 from tidal.agent.tasks import Task, prepare
@@ -100,7 +104,7 @@ def bench_container(task: Task, images: dict[str, str], repeat: int,
     t0 = time.perf_counter()
     ContainerEnvironments(client, images).spec(task)
     cold_s = time.perf_counter() - t0
-    cached, start, execs, snaps, grades, rewards = [], [], [], [], [], []
+    cached, start, execs, snaps, restores, grades, rewards = [], [], [], [], [], [], []
     for i in range(repeat):
         t0 = time.perf_counter()
         spec = ContainerEnvironments(client, images).spec(task)  # a new process's builder
@@ -113,6 +117,10 @@ def bench_container(task: Task, images: dict[str, str], repeat: int,
             t2 = time.perf_counter()
             snap = tmp / f"snap-{i}.json"
             rt.snapshot(snap)
+            t3 = time.perf_counter()
+            with contextlib.closing(ContainerRuntime.restore(snap, client)) as back:
+                assert back.exec("true", 30.0).replayed
+            restores.append(time.perf_counter() - t3)
             t3 = time.perf_counter()
             rt.write_file("tidal-bench-answer.txt", "what the agent left\n")
             t4 = time.perf_counter()
@@ -128,7 +136,7 @@ def bench_container(task: Task, images: dict[str, str], repeat: int,
         rewards.append(g.reward)
     return {"build_cold_ms": round(1000 * cold_s, 1), "build_cached": _stats(cached),
             "start_close": _stats(start), "exec_true": _stats(execs),
-            "snapshot": _stats(snaps), "grade": _stats(grades),
+            "snapshot": _stats(snaps), "restore": _stats(restores), "grade": _stats(grades),
             "overhead_total": _stats([a + b + c for a, b, c in zip(cached, start, grades,
                                                                      strict=True)]),
             "untouched_reward": rewards[0]}
@@ -136,20 +144,25 @@ def bench_container(task: Task, images: dict[str, str], repeat: int,
 
 def bench_bwrap_exec_snapshot(task: Task, images: dict[str, str], cache: Path, repeat: int,
                               tmp: Path) -> dict[str, Any]:
-    """Bubblewrap's `exec` of `true` and snapshot on the same task, for the comparison."""
-    base = SandboxConfig(limits=Limits(cpu_s=600.0, wall_s=600.0))
-    config = Environments(images, None, cache).sandbox_config(task, base)
-    execs, snaps = [], []
-    with sandboxed_runtime(config) as rt:
+    """Bubblewrap's `exec` of `true`, snapshot and restore (the log replayed: the `exec`
+    answered from it) on the same task, for the comparison."""
+    runtimes = SandboxRuntimes(sandboxed_runtime, SandboxConfig(
+        limits=Limits(cpu_s=600.0, wall_s=600.0)), Environments(images, None, cache))
+    execs, snaps, restores = [], [], []
+    with runtimes.runtime(task) as rt:
         prepare(task, rt)
         for i in range(repeat):
             t0 = time.perf_counter()
             rt.exec("true", 30.0)
             t1 = time.perf_counter()
             rt.snapshot(tmp / f"bwrap-snap-{i}")
+            t2 = time.perf_counter()
+            with runtimes.restored(task, tmp / f"bwrap-snap-{i}") as back:
+                assert back.exec("true", 30.0).replayed
             execs.append(t1 - t0)
-            snaps.append(time.perf_counter() - t1)
-    return {"exec_true": _stats(execs), "snapshot": _stats(snaps)}
+            snaps.append(t2 - t1)
+            restores.append(time.perf_counter() - t2)
+    return {"exec_true": _stats(execs), "snapshot": _stats(snaps), "restore": _stats(restores)}
 
 
 def main() -> None:

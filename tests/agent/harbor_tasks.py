@@ -105,6 +105,44 @@ def write_task(
     return d
 
 
+# --------------------------------------------------------------------------- separate verifiers
+
+# the oracle writes its answer (the declared artifact), a file it does not declare, and a
+# log in Harbor's convention directory; test.sh earns 1 only when the verifier sees the
+# first and the last and not the other (plus `check`: what only its own image has)
+SEPARATE_SOLVE = """#!/bin/bash
+echo 42 > /app/out.txt
+echo scratch > /app/notes.txt
+mkdir -p /logs/artifacts && echo ran > /logs/artifacts/run.log
+"""
+SEPARATE_TEST = """#!/bin/bash
+ok=1
+[ "$(cat /app/out.txt 2>/dev/null)" = 42 ] || ok=0
+[ -f /logs/artifacts/run.log ] || ok=0
+[ -e /app/notes.txt ] && ok=0
+{check}
+echo $ok > /logs/verifier/reward.txt
+"""
+# a verifier image of its own: a grading tool the task's image lacks, the tests bundled
+GRADER_ONLY = '[ "$(grader-only 2>/dev/null)" = graded ] || ok=0'
+VERIFIER_DOCKERFILE = """FROM ubuntu:24.04
+RUN printf '#!/bin/sh\\necho graded\\n' > /usr/local/bin/grader-only \\
+    && chmod +x /usr/local/bin/grader-only
+COPY test.sh /tests/test.sh
+WORKDIR /app
+"""
+
+
+def write_separate_task(root: Path, name: str, *, toml: str, own_image: bool = False,
+                        extra: dict[str, str] | None = None) -> Path:
+    """A task graded by a separate verifier (`toml` says how), whose artifact is
+    /app/out.txt; `own_image`: its test.sh needs what only VERIFIER_DOCKERFILE has."""
+    return write_task(root, name, toml=toml, solve_sh=SEPARATE_SOLVE,
+                      instruction="Write 42 to /app/out.txt.",
+                      test_sh=SEPARATE_TEST.format(check=GRADER_ONLY if own_image else ""),
+                      extra=extra)
+
+
 # the images map a test run uses: TB2's FROM ubuntu:24.04 on tidal's default image
 IMAGES = {"ubuntu:24.04": "default"}
 

@@ -18,12 +18,13 @@ import docker
 import docker.errors
 import pytest
 
-from tests.agent.harbor_tasks import write_task
+from tests.agent.harbor_tasks import VERIFIER_DOCKERFILE, write_separate_task, write_task
 from tidal.agent.containers import (
     SNAPSHOT_REPO,
     ContainerEnvironments,
     ContainerError,
     ContainerRuntime,
+    ContainerRuntimes,
     ContainerSpec,
     connect,
     container_runtime,
@@ -32,7 +33,7 @@ from tidal.agent.containers import (
     remove_snapshot,
     spec_for,
 )
-from tidal.agent.harbor import load_task, run_oracle
+from tidal.agent.harbor import HarborTaskError, load_task, run_oracle
 from tidal.agent.runtime import RuntimeToolError, ToolRuntime
 from tidal.agent.tasks import EnvironmentSpec, FileChecks, FileExists, Task, prepare
 from tidal.sandbox.types import ExecStatus, ReplayDivergenceError
@@ -350,6 +351,54 @@ def test_a_harbor_task_builds_once_and_grades_as_harbor_does(tmp_path: Path) -> 
         assert time.monotonic() - t0 < built_s
     finally:
         CLIENT.images.remove(image, force=True)
+
+
+SEPARATE = 'artifacts = ["/app/out.txt"]\n[verifier]\nenvironment_mode = "separate"\n'
+
+
+def test_a_separate_verifier_starts_from_its_own_image_even_after_a_restore(
+        tmp_path: Path) -> None:
+    # tests/Dockerfile with a context file of this run's own: its build is this test's
+    task = load_task(write_separate_task(tmp_path, "sep", toml=SEPARATE, own_image=True, extra={
+        "tests/Dockerfile": VERIFIER_DOCKERFILE, "tests/run.txt": RUN}))
+    runtimes = ContainerRuntimes(ContainerEnvironments(CLIENT, images={"ubuntu:24.04": BASE}))
+    assert runtimes.prepare([task]) == 1  # the verifier's image, before any episode
+    image = runtimes.environments.verifier_image(task)
+    snap = tmp_path / "snap.json"
+    try:
+        assert runtimes.environments.image(task) != image
+        with runtimes.runtime(task) as rt:
+            assert (rt.spec.image, rt.pristine.image) == (runtimes.environments.image(task),
+                                                          image)
+            assert run_oracle(task, rt) is None
+            rt.snapshot(snap)  # preempted: the episode goes on elsewhere
+        with runtimes.restored(task, snap) as rt:
+            assert rt.pristine.image == image  # kept by the snapshot
+            assert run_oracle(task, rt) is None  # replayed from its log
+            assert rt.end_agent(task.verifier_carry) == (
+                "separate (tests/Dockerfile), carrying /app/out.txt, /logs/artifacts")
+            assert rt.spec.image == image and rt.list("/app") == ["out.txt"]
+            assert rt.read_file("/logs/artifacts/run.log") == "ran\n"
+            graded = task.grader.grade(rt)
+        assert graded.error is None and graded.reward == 1.0, graded
+    finally:
+        runtimes.discard(snap)
+        CLIENT.images.remove(image, force=True)
+
+
+def test_a_broken_verifier_image_stops_prepare_naming_its_file(tmp_path: Path) -> None:
+    task = load_task(write_separate_task(tmp_path, "sep", toml=SEPARATE, extra={
+        "tests/Dockerfile": f"FROM {BASE}\nRUN echo boom-{RUN} && exit 3\n"}))
+    envs = ContainerEnvironments(CLIENT, images={"ubuntu:24.04": BASE})
+    with pytest.raises(HarborTaskError) as e:
+        envs.prepare([task])
+    assert (e.value.task, e.value.file) == ("sep", "tests/Dockerfile")
+    assert e.value.problem.startswith("the build failed") and f"boom-{RUN}" in e.value.problem
+    unmapped = load_task(write_separate_task(tmp_path, "img", toml=(
+        '[verifier.environment]\ndocker_image = "tidal-test/never-pulled:1"\n')))
+    with pytest.raises(HarborTaskError, match=r"'img': task.toml: docker_image: "
+                       r"tidal-test/never-pulled:1 is not in the engine"):
+        envs.verifier_image(unmapped)
 
 
 def test_a_failing_run_quotes_the_build_log(tmp_path: Path) -> None:

@@ -7,12 +7,13 @@ import json
 import math
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.agent.harbor_tasks import IMAGES, write_task
-from tidal.agent.environment import Environments
+from tidal.agent.environment import Environments, SandboxRuntimes
 from tidal.agent.harbor import (
     HarborTaskError,
     RewardError,
@@ -26,7 +27,7 @@ from tidal.agent.harbor import (
 )
 from tidal.agent.runtime import RuntimeToolError, ToolRuntime
 from tidal.agent.sandboxed import SandboxRuntime, sandboxed_runtime
-from tidal.agent.tasks import Task, TaskError, prepare
+from tidal.agent.tasks import EnvironmentSpec, SeparateVerifier, Task, TaskError, prepare
 from tidal.sandbox import Limits, SandboxConfig
 
 LIMITS = Limits(memory_bytes=256 << 20, cpu_s=60.0, wall_s=60.0, disk_bytes=128 << 20)
@@ -91,8 +92,29 @@ def test_the_newer_task_table_and_env_fields_read(tmp_path: Path) -> None:
          "allowed_hosts is only valid with network_mode = \"allowlist\""),
         ({"toml": "[verifier]\nreward_key = 3\n"}, "task.toml",
          "[verifier].reward_key must name a key of reward.json"),
-        ({"toml": "[verifier.environment]\ndocker_image = \"grader:1\"\n"}, "task.toml",
-         "[verifier.environment], a verifier environment of its own, is not supported yet"),
+        # a separate verifier: [verifier.environment] is read as [environment] is
+        ({"toml": "[verifier.environment]\nmemory = \"lots\"\n"}, "task.toml",
+         "[verifier.environment].memory = 'lots' is not a size"),
+        ({"toml": "[verifier.environment]\nnetwork_mode = \"wifi\"\n"}, "task.toml",
+         "[verifier.environment].network_mode must be one of"),
+        ({"toml": "[verifier]\nenvironment = 3\n"}, "task.toml",
+         "[verifier.environment] must be a table"),
+        ({"toml": "[verifier]\nenvironment_mode = \"shared\"\n[verifier.environment]\ncpus = 2\n"},
+         "task.toml", "environment_mode = 'shared' conflicts with [verifier.environment]"),
+        ({"toml": "artifacts = \"/app\"\n"}, "task.toml", "artifacts must be a list"),
+        ({"toml": "artifacts = [\"out.txt\"]\n"}, "task.toml",
+         "artifacts[0] must be an absolute path"),
+        ({"toml": "artifacts = [\"/app\", {destination = \"x\"}]\n"}, "task.toml",
+         "artifacts[1].source must be an absolute path"),
+        ({"toml": "artifacts = [\"/app/../..\"]\n"}, "task.toml", "without '..'"),
+        ({"toml": "artifacts = [\"/\"]\n"}, "task.toml", "would hand the verifier everything"),
+        ({"toml": "artifacts = [{source = \"/var/lib/db\", service = \"db\"}]\n"}, "task.toml",
+         "artifacts[0].service = 'db' is not supported"),
+        ({"toml": "artifacts = [{source = \"/app\", exclude = [\"*.pyc\"]}]\n"}, "task.toml",
+         "artifacts[0].exclude is not supported"),
+        ({"toml": "[verifier]\nenvironment_mode = \"separate\"\n",
+          "extra": {"tests/docker-compose.yaml": "services: {}\n"}},
+         "tests/docker-compose.yaml", "a docker-compose verifier environment is not supported"),
         # Harbor's multi-step layout is named, not reported as a missing instruction.md
         ({"toml": "[[steps]]\nname = \"one\"\n[[steps]]\nname = \"two\"\n",
           "instruction": None}, "task.toml", "a multi-step task ([[steps]], steps/)"),
@@ -122,15 +144,79 @@ def test_a_dockerfile_beyond_tidals_builder_loads_and_is_refused_when_tidal_buil
         envs.environment(task)
 
 
-def test_a_separate_verifier_image_is_refused_by_name(tmp_path: Path) -> None:
-    d = write_task(tmp_path, "sep", toml='[verifier]\nenvironment_mode = "separate"\n')
-    (d / "tests" / "Dockerfile").write_text("FROM tidal/default\n")
-    with pytest.raises(HarborTaskError, match=r"'sep': tests/Dockerfile: a verifier "
-                       r"environment of its own is not supported yet"):
-        load_task(d)
+SEPARATE = 'artifacts = ["/app/out.txt"]\n[verifier]\nenvironment_mode = "separate"\n'
+RESOURCES = '[environment]\nworkdir = "/srv"\nmemory_mb = 512\nenv = { A = "1" }\n'
+
+
+def test_a_separate_verifier_builds_tests_dockerfile_with_the_tasks_resources(
+        tmp_path: Path) -> None:
+    d = write_task(tmp_path, "sep", toml=SEPARATE + RESOURCES,
+                   extra={"tests/Dockerfile": "FROM ubuntu:24.04\nCOPY . /tests/\n"})
+    task = load_task(d)
+    sep = task.separate_verifier
+    assert sep is not None and sep.environment is not None and task.environment is not None
+    assert (sep.describe(), sep.file) == ("separate (tests/Dockerfile)", "tests/Dockerfile")
+    assert (sep.environment.dockerfile, sep.environment.context) == (
+        d / "tests" / "Dockerfile", d / "tests")
+    # Harbor's copy of [environment], but for its image
+    assert sep.environment == replace(task.environment, dockerfile=d / "tests" / "Dockerfile",
+                                      context=d / "tests", docker_image=None)
+    assert (sep.environment.workdir, sep.environment.memory_mb) == ("/srv", 512)
+    assert task.verifier_carry == ("/app/out.txt", "/logs/artifacts")
+    assert isinstance(task.grader, VerifierScript) and task.grader.bundled  # its image has /tests
     # Harbor builds tests/Dockerfile only for a separate verifier: elsewhere it is inert
-    (d / "task.toml").write_text('[verifier]\nenvironment_mode = "shared"\n')
-    assert load_task(d).verifier_carry is None
+    for verifier, carry in (("", ()), ('environment_mode = "shared"', None)):
+        (d / "task.toml").write_text(f"[verifier]\n{verifier}\n")
+        task = load_task(d)
+        assert task.separate_verifier is None and task.verifier_carry == carry
+        assert not task.grader.bundled  # type: ignore[attr-defined]
+
+
+def test_a_verifier_environment_table_is_its_own_environment(tmp_path: Path) -> None:
+    own = ('[verifier.environment]\ndocker_image = "grader:1"\nmemory_mb = 1024\n'
+           'network_mode = "no-network"\n')
+    # a docker_image of its own brings /tests: no tests/test.sh needed; none of the
+    # task's [environment] is inherited (Harbor's schema defaults instead)
+    d = write_task(tmp_path, "img", toml=RESOURCES + own, test_sh=None,
+                   extra={"tests/Dockerfile": "FROM ubuntu:24.04\n"})  # docker_image wins
+    task = load_task(d)
+    sep = task.separate_verifier
+    assert sep is not None and sep.environment is not None
+    assert (sep.describe(), sep.file) == ("separate (docker_image grader:1)", "task.toml")
+    assert sep.environment == EnvironmentSpec(docker_image="grader:1", memory_mb=1024,
+                                              network_mode="no-network")
+    assert task.verifier_carry == ("/logs/artifacts",) and task.grader.bundled  # type: ignore[attr-defined]
+    # resources only: the task's own image, the verifier's resources, tests/ uploaded
+    d = write_task(tmp_path, "res", toml=RESOURCES + "[verifier.environment]\ncpus = 2\n")
+    task = load_task(d)
+    sep = task.separate_verifier
+    assert sep is not None and sep.environment is not None and task.environment is not None
+    assert sep.describe() == "separate ([verifier.environment] on the task's image)"
+    assert (sep.environment.dockerfile, sep.environment.cpus, sep.environment.workdir) == (
+        task.environment.dockerfile, 2.0, None)
+    assert not task.grader.bundled  # type: ignore[attr-defined]
+    # separate alone: a fresh copy of the task's environment
+    task = load_task(write_task(tmp_path, "copy", toml=SEPARATE))
+    assert task.separate_verifier == SeparateVerifier()
+    assert task.separate_verifier.describe() == (
+        "separate (a fresh copy of the task's environment)")
+
+
+def test_the_bubblewrap_runtime_refuses_a_verifier_image_of_its_own(tmp_path: Path) -> None:
+    task = load_task(write_task(tmp_path, "own", toml=SEPARATE, extra={
+        "tests/Dockerfile": "FROM ubuntu:24.04\nCOPY . /tests/\n"}))
+    runtimes = SandboxRuntimes(sandboxed_runtime, environments=Environments(
+        dict(IMAGES), None, tmp_path / "envs"))
+    for call in (lambda: runtimes.notes(task), lambda: runtimes.prepare([task])):
+        with pytest.raises(HarborTaskError) as e:
+            call()
+        assert (e.value.task, e.value.file) == ("own", "tests/Dockerfile")
+        assert "bubblewrap sandboxes cannot give" in e.value.problem
+        assert "--sandbox docker" in e.value.problem
+        assert 'rollout.sandbox = "docker"' in e.value.problem
+    copy = load_task(write_task(tmp_path, "copy", toml=SEPARATE))  # the task's own image: fine
+    assert runtimes.notes(copy) == ["network_mode is 'public': tidal's bubblewrap sandboxes "
+                                    "have no network"]
 
 
 def test_a_steps_directory_is_a_multi_step_task(tmp_path: Path) -> None:
@@ -154,13 +240,23 @@ def test_the_network_policy_is_read_as_harbor_reads_it(
     assert (task.environment.network_mode, task.environment.allowed_hosts) == (mode, hosts)
 
 
-@pytest.mark.parametrize(("verifier", "carry"), [
-    ("", ()), ('environment_mode = "pristine"', ()), ('environment_mode = "separate"', ()),
-    ('carry_paths = ["/app", "/data/out"]', ("/app", "/data/out")),
-    ('environment_mode = "shared"', None)])
+ARTIFACTS = 'artifacts = ["/app/out.txt", {source = "/data/", destination = "d"}]\n'
+
+
+@pytest.mark.parametrize(("artifacts", "verifier", "carry"), [
+    ("", "", ()), ("", 'environment_mode = "pristine"', ()),
+    ("", 'carry_paths = ["/app", "/data/out"]', ("/app", "/data/out")),
+    ("", 'environment_mode = "shared"', None),
+    (ARTIFACTS, "", ()),  # artifacts cross only to a separate verifier
+    # separate, as Harbor: the declared artifacts and /logs/artifacts, never the workdir
+    ("", 'environment_mode = "separate"', ("/logs/artifacts",)),
+    (ARTIFACTS, 'environment_mode = "separate"', ("/app/out.txt", "/data", "/logs/artifacts")),
+    ('artifacts = ["/logs/artifacts/", {source = "/app/out.txt", service = "main"}]\n',
+     'environment_mode = "separate"\ncarry_paths = ["/etc/app.conf"]',
+     ("/logs/artifacts", "/app/out.txt", "/etc/app.conf"))])
 def test_what_the_verifier_sees_of_the_agent_is_read_from_task_toml(
-        tmp_path: Path, verifier: str, carry: tuple[str, ...] | None) -> None:
-    d = write_task(tmp_path, "t", toml=f"[verifier]\n{verifier}\n")
+        tmp_path: Path, artifacts: str, verifier: str, carry: tuple[str, ...] | None) -> None:
+    d = write_task(tmp_path, "t", toml=f"{artifacts}[verifier]\n{verifier}\n")
     assert load_task(d).verifier_carry == carry
 
 
@@ -307,6 +403,19 @@ def test_test_sh_runs_by_its_shebang(tmp_path: Path, app: ToolRuntime) -> None:
     assert g.error is None and g.reward == 3.0, g.extra
     assert g.extra["rewards"] == {"passed": 3.0, "total": 4.0}
     assert g.extra["reward_from"] == "reward.json: passed" and "3" in g.extra["output"]
+
+
+def test_bundled_tests_run_from_the_image_without_an_upload(
+        tmp_path: Path, app: ToolRuntime) -> None:
+    # a verifier image of its own brings /tests (Harbor uploads no tests/ to it)
+    script = "#!/bin/bash\necho 0.25 > /logs/verifier/reward.txt\n"
+    bundled = VerifierScript(tmp_path / "no-such-dir", 30.0, bundled=True)
+    g = bundled.grade(app)
+    assert g.error is not None and "exited with 127" in g.error
+    assert "the verifier's image has no /tests/test.sh" in g.extra["output"]
+    app.write_file("/tests/test.sh", script)  # as its image would hold it
+    g = bundled.grade(app)
+    assert g.error is None and g.reward == 0.25
 
 
 def test_a_tb2_task_builds_grades_untouched_and_after_its_oracle(tmp_path: Path) -> None:

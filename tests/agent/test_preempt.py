@@ -183,3 +183,26 @@ def test_pending_counts_the_snapshot_on_disk_not_the_record(tmp_path: Path) -> N
         (group,) = live.pending()
     assert group.records["s-a"].snapshots == 0  # the record a snapshot short
     assert group.snapshotted == {"s-a"} and set(group.done) == {"s-c"}
+
+
+def test_a_snapshot_that_cannot_be_restored_here_starts_the_episode_fresh(
+        tmp_path: Path) -> None:
+    """A resumed episode whose snapshot this machine cannot restore (damaged here; a
+    container snapshot taken on another node's engine) starts in a fresh runtime, warned,
+    its snapshot discarded, instead of failing the episode."""
+    from tidal.agent.environment import SandboxRuntimes
+    from tidal.agent.preempt import LiveEpisodes
+    from tidal.agent.sandboxed import sandboxed_runtime
+    from tidal.agent.tasks import FileChecks, FileExists, Task
+
+    task = Task("t", "make x", FileChecks((FileExists("x"),)))
+    with LedgerStore(tmp_path / "ledger.db") as store:
+        live = LiveEpisodes(tmp_path / "live", store, None, SandboxRuntimes(sandboxed_runtime))
+        key = live.open_group([("t", "s-a")])
+        snap = tmp_path / "live" / key / "s-a.tar"
+        snap.write_bytes(b"not a snapshot")
+        with pytest.warns(RuntimeWarning, match="cannot be restored here"), \
+                live.runtime(key, task, "s-a", resume=True) as (rt, used):
+            assert used == 0.0 and rt.exec("echo fresh", 10).stdout == "fresh\n"
+        assert not snap.exists()
+        live.close()

@@ -12,8 +12,10 @@ from typer.testing import CliRunner
 from tests.agent.harbor_tasks import (
     BASE,
     HARBOR_TEMPLATE,
+    VERIFIER_DOCKERFILE,
     engine_problem,
     from_harbor_template,
+    write_separate_task,
     write_task,
 )
 from tidal.cli import app
@@ -102,6 +104,26 @@ def test_a_network_the_sandbox_does_not_give_is_noted(tmp_path: Path) -> None:
     assert "network_mode is 'public': tidal's bubblewrap sandboxes have no network" in task["notes"]
 
 
+SEPARATE = 'artifacts = ["/app/out.txt"]\n[verifier]\nenvironment_mode = "separate"\n'
+
+
+def test_a_separate_verifier_gets_only_the_artifacts_on_bubblewrap(tmp_path: Path) -> None:
+    write_separate_task(tmp_path, "separate", toml=SEPARATE)
+    # an image of its own cannot be given here: named, with the remedy
+    write_separate_task(tmp_path, "own-image", toml=SEPARATE, own_image=True,
+                        extra={"tests/Dockerfile": VERIFIER_DOCKERFILE})
+    code, out, err = _check(str(tmp_path), "--image", "ubuntu:24.04=default", "--json")
+    assert code == 1
+    by = {t["task"]: t for t in json.loads(out)["tasks"]}
+    sep = by["separate"]
+    assert sep["ok"] and (sep["oracle_reward"], sep["untouched_reward"]) == (1.0, 0.0), sep
+    assert any(n.endswith("carrying /app/out.txt, /logs/artifacts") for n in sep["notes"])
+    (problem,) = by["own-image"]["problems"]
+    assert problem["file"] == "tests/Dockerfile"
+    assert "bubblewrap sandboxes cannot give" in problem["problem"]
+    assert "broken: own-image: tests/Dockerfile: " in err and "--sandbox docker" in err
+
+
 # --------------------------------------------------------------------------- containers
 
 needs_engine = pytest.mark.skipif(engine_problem() is not None, reason=str(engine_problem()))
@@ -179,3 +201,44 @@ def test_a_task_whose_dockerfile_runs_apt_get_builds_and_passes(tmp_path: Path) 
     assert code == 0, out + err
     (task,) = json.loads(out)["tasks"]
     assert (task["oracle_reward"], task["untouched_reward"]) == (1.0, 0.0), task
+
+
+def _grader_image(root: Path) -> str:
+    """An engine image holding a grading tool and a separate task's test.sh, as a
+    `[verifier.environment] docker_image` names one (built from VERIFIER_DOCKERFILE)."""
+    from tidal.agent.containers import ContainerEnvironments, connect
+    from tidal.agent.harbor import load_task
+
+    d = write_separate_task(root, "grader", toml=SEPARATE, own_image=True,
+                            extra={"tests/Dockerfile": VERIFIER_DOCKERFILE})
+    envs = ContainerEnvironments(connect(), {"ubuntu:24.04": BASE})
+    return envs.verifier_image(load_task(d))
+
+
+@needs_engine
+def test_a_separate_verifier_runs_in_its_own_image_on_the_container_runtime(
+        tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    # tests/Dockerfile: built by the engine (FROM mapped), the tests bundled in it
+    write_separate_task(tasks, "tests-dockerfile", toml=SEPARATE, own_image=True,
+                        extra={"tests/Dockerfile": VERIFIER_DOCKERFILE})
+    # [verifier.environment] docker_image, mapped as a task's docker_image is
+    write_separate_task(tasks, "verifier-image", own_image=True, toml=(
+        'artifacts = [{source = "/app/out.txt"}]\n[verifier.environment]\n'
+        'docker_image = "tidal-test/grader:1"\nnetwork_mode = "no-network"\n'))
+    # separate without an image of its own: a fresh copy of the task's environment
+    write_separate_task(tasks, "separate", toml=SEPARATE)
+    grader = _grader_image(tmp_path / "grader")
+    code, out, err = _check(str(tasks), "--sandbox", "docker", "--image",
+                            f"ubuntu:24.04={BASE}", "--image", f"tidal-test/grader:1={grader}",
+                            "--json")
+    assert code == 0, out + err
+    by = {t["task"]: t for t in json.loads(out)["tasks"]}
+    for name, t in by.items():  # each sees the artifact and the log, never notes.txt
+        assert (t["oracle_reward"], t["untouched_reward"]) == (1.0, 0.0), (name, t)
+    carrying = "carrying /app/out.txt, /logs/artifacts"
+    assert f"verifier: separate (tests/Dockerfile), {carrying}" in by["tests-dockerfile"]["notes"]
+    assert (f"verifier: separate (docker_image tidal-test/grader:1), {carrying}"
+            in by["verifier-image"]["notes"])
+    assert (f"verifier: separate (a fresh copy of the task's environment), {carrying}"
+            in by["separate"]["notes"])

@@ -10,11 +10,15 @@ real engine reached through the `docker` SDK:
 - `ContainerEnvironments` builds a task's environment/Dockerfile with the engine's own
   builder, as written, into an image tagged by content hash (a cache), with FROM
   references mapped to local images; `spec_for` turns a task and its image into a
-  `ContainerSpec` (image, working directory, variables, memory, CPUs, network).
+  `ContainerSpec` (image, working directory, variables, memory, CPUs, network). A
+  separate verifier's own environment (Harbor's tests/Dockerfile or `[verifier.
+  environment]`: `Task.separate_verifier`) is built and mapped the same way, into the
+  spec its container starts from (`verifier_spec`).
 - `ContainerRuntime` is one running container behind the `ToolRuntime` calls: commands
   run as engine execs with a wall-clock limit enforced from the host, files move as tar
   archives, `snapshot` commits the container to an image, `end_agent` kills what the
-  agent left or moves the carried paths to a fresh container from the pristine image.
+  agent left or moves the carried paths to a fresh container from the pristine spec
+  (the verifier's, which a snapshot keeps).
 
 Requirements and limits, said once here:
 - The runtime must run on the engine's host with the right to signal its processes
@@ -72,6 +76,7 @@ import docker
 import docker.errors
 import psutil
 
+from tidal.agent.harbor import HarborTaskError
 from tidal.agent.runtime import RuntimeToolError
 from tidal.agent.tasks import EnvironmentSpec, Task, TaskError
 from tidal.sandbox.oplog import OpLog, op_key
@@ -92,6 +97,7 @@ MIN_MEMORY_MB = 64  # as the bubblewrap side floors a task's memory
 KEEPALIVE = ("sleep", "infinity")  # the container's own command: it only keeps it running
 LABEL = "tidal"  # every container this module starts carries tidal=1
 OWNER = "tidal.owner"  # and the process that started it: "<host>:<pid>:<start time>"
+VERIFIER_LABEL = "tidal.verifier"  # a separate verifier's spec: what its verdict says
 SNAPSHOT_OF = "tidal.snapshot"  # a snapshot image's file (absolute path)
 SNAPSHOT_REPO = "tidal-snapshot"
 SNAPSHOT_FORMAT = "tidal.container-snapshot/1"
@@ -322,8 +328,10 @@ def _float(v: object) -> float:
     return float(v)
 
 
-def spec_for(task: Task, image: str, client: docker.DockerClient) -> ContainerSpec:
-    """The container of one episode of `task` on `image` (its built or mapped image).
+def spec_for(task: Task, image: str, client: docker.DockerClient,
+             environment: EnvironmentSpec | None = None) -> ContainerSpec:
+    """The container of one episode of `task` on `image` (its built or mapped image), or
+    with `environment`, of that environment instead of the task's (its verifier's own).
 
     Working directory: the task's `[environment] workdir`, else the image's WORKDIR,
     else /app. Variables: the image's ENV, then the task's. Memory and CPUs: the task's,
@@ -331,17 +339,19 @@ def spec_for(task: Task, image: str, client: docker.DockerClient) -> ContainerSp
     engine's host: see the module docstring), memory floored at 64 MB. Network:
     "no-network" is "none", "public" is "bridge"; "allowlist" is refused. `storage_mb`
     is noted in `notes`, not enforced."""
-    env = task.environment or EnvironmentSpec()
+    who = f"task {task.task_id!r}"
+    if environment is not None:
+        who += " (its verifier's environment)"
+    env = environment or task.environment or EnvironmentSpec()
     if env.network_mode == "allowlist":
-        raise ContainerError(f"task {task.task_id!r}: network_mode = \"allowlist\" is not "
-                             "supported by the container runtime yet")
+        raise ContainerError(f"{who}: network_mode = \"allowlist\" is not supported by the "
+                             "container runtime yet")
     if env.network_mode not in ("no-network", "public"):
-        raise ContainerError(f"task {task.task_id!r}: unknown network_mode "
-                             f"{env.network_mode!r}")
+        raise ContainerError(f"{who}: unknown network_mode {env.network_mode!r}")
     try:
         config = client.images.get(image).attrs.get("Config") or {}
     except docker.errors.ImageNotFound:
-        raise ContainerError(f"task {task.task_id!r}: the engine has no image {image!r}") from None
+        raise ContainerError(f"{who}: the engine has no image {image!r}") from None
     image_env = dict(e.split("=", 1) for e in config.get("Env") or [] if "=" in e)
     notes = []
     cpus = env.cpus or DEFAULT_CPUS
@@ -1037,7 +1047,9 @@ class ContainerRuntime:
         from the pristine image holding only those paths as the agent left them (each
         copied whole, so what the agent deleted inside one stays deleted; a path the
         agent removed is absent), the agent's container removed: "pristine, carrying
-        ...". Either way the agent's container takes no more snapshots."""
+        ...", or what the pristine spec's `tidal.verifier` label says of a separate
+        verifier ("separate (tests/Dockerfile), carrying ..."). Either way the agent's
+        container takes no more snapshots."""
         self._check_open()
         self.can_snapshot = False
         if carry is None:
@@ -1069,7 +1081,8 @@ class ContainerRuntime:
             for p, archive in archives.items():
                 if archive is not None:
                     self._put(posixpath.dirname(p), archive)
-        return "pristine, carrying " + ", ".join(paths)
+        kind = self.pristine.labels.get(VERIFIER_LABEL, "pristine")
+        return f"{kind}, carrying " + ", ".join(paths)
 
     def _archive(self, container_id: str, path: str,
                  stack: contextlib.ExitStack) -> IO[bytes] | None:
@@ -1160,10 +1173,11 @@ def _str_keys(v: object) -> dict[str, object]:
 
 @contextlib.contextmanager
 def container_runtime(spec: ContainerSpec, client: docker.DockerClient, *,
+                      pristine: ContainerSpec | None = None,
                       output_bytes: int = Limits().output_bytes) -> Iterator[ContainerRuntime]:
     """A fresh container from `spec`, removed on exit (the verifier's too, when
-    `end_agent` replaced the agent's)."""
-    rt = ContainerRuntime(spec, client, output_bytes=output_bytes)
+    `end_agent` replaced the agent's with one from `pristine`, by default `spec`)."""
+    rt = ContainerRuntime(spec, client, pristine=pristine, output_bytes=output_bytes)
     try:
         yield rt
     finally:
@@ -1330,39 +1344,72 @@ class ContainerEnvironments:
     def image(self, task: Task) -> str:
         """The task's image reference (built now unless cached); ContainerError says
         which task and what failed."""
-        with self._lock:
-            lock = self._locks.setdefault(task.task_id, threading.Lock())
-        with lock:
-            found = self._built.get(task.task_id)
-            if found is not None:
-                return found
-            spec = task.environment
-            if spec is None:
-                if self.default_image is None:
-                    raise ContainerError(f"task {task.task_id!r} has no environment and no "
-                                         "default image was given")
-                image = self._local(self.default_image, f"task {task.task_id!r}")
-            elif spec.dockerfile is not None:
-                image = self._build(task, spec, spec.dockerfile)
-            else:
-                assert spec.docker_image is not None
-                image = self._resolve(spec.docker_image, f"task {task.task_id!r}: docker_image")
-            self._built[task.task_id] = image
-            return image
+        who = f"task {task.task_id!r}"
+        if task.environment is not None:
+            return self._image(task.task_id, task.environment, f"{who}: environment/Dockerfile",
+                               f"{who}: docker_image")
+        if self.default_image is None:
+            raise ContainerError(f"{who} has no environment and no default image was given")
+        return self._local(self.default_image, who)
+
+    def verifier_image(self, task: Task) -> str:
+        """The image the task's verifier starts from: that of its own environment
+        (`Task.separate_verifier`: a tests/Dockerfile, built as the task's is, or a
+        `[verifier.environment] docker_image`, mapped as the task's is), else the task's.
+        A failure is a HarborTaskError naming the file that declares it."""
+        sep = task.separate_verifier
+        if sep is None or sep.environment is None:
+            return self.image(task)
+        who = f"task {task.task_id!r}: {sep.file}"
+        try:
+            return self._image(f"{task.task_id}\0verifier", sep.environment, who,
+                               f"{who}: docker_image")
+        except ContainerError as e:
+            raise HarborTaskError(task.task_id, sep.file,
+                                  str(e).removeprefix(f"{who}: ")) from None
 
     def spec(self, task: Task) -> ContainerSpec:
         """The container of one episode of `task` (see `spec_for`)."""
         return spec_for(task, self.image(task), self.client)
 
+    def verifier_spec(self, task: Task) -> ContainerSpec:
+        """The container the task's verifier starts from (`ContainerRuntime.pristine`): the
+        episode's, unless the verifier is separate: then that of its own environment (or
+        a copy of the task's), labelled `tidal.verifier` with what its verdict says."""
+        sep = task.separate_verifier
+        if sep is None:
+            return self.spec(task)
+        spec = self.spec(task) if sep.environment is None else spec_for(
+            task, self.verifier_image(task), self.client, sep.environment)
+        return replace(spec, labels={**spec.labels, VERIFIER_LABEL: sep.describe()})
+
     def prepare(self, tasks: Iterable[Task]) -> int:
-        """Build every task's image now (a broken one stops a run before it starts);
-        returns how many were built, not found in the engine."""
+        """Build every task's images now, its verifier's too (a broken one stops a run
+        before it starts); returns how many tasks needed a build, not found in the
+        engine."""
         return sum(self.built(t) for t in tasks)
 
     def built(self, task: Task) -> bool:
-        """Whether getting the task's image ran a build (False: a cache hit or no
-        Dockerfile)."""
-        return self.image(task) in self._fresh
+        """Whether getting the task's images (its own and its verifier's) ran a build
+        (False: cache hits, or no Dockerfile)."""
+        return bool({self.image(task), self.verifier_image(task)} & self._fresh)
+
+    def _image(self, key: str, spec: EnvironmentSpec, build_who: str, image_who: str) -> str:
+        """The image of `spec` (built now unless this process has it under `key`);
+        errors begin with `build_who` (a Dockerfile) or `image_who` (a docker_image)."""
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            found = self._built.get(key)
+            if found is not None:
+                return found
+            if spec.dockerfile is not None:
+                image = self._build(build_who, spec, spec.dockerfile)
+            else:
+                assert spec.docker_image is not None
+                image = self._resolve(spec.docker_image, image_who)
+            self._built[key] = image
+            return image
 
     def _local(self, image: str, who: str) -> str:
         try:
@@ -1384,9 +1431,8 @@ class ContainerEnvironments:
                 "into the engine") from None
         return ref
 
-    def _bases(self, task: Task, dockerfile: Path) -> dict[str, str]:
+    def _bases(self, who: str, dockerfile: Path) -> dict[str, str]:
         """FROM reference -> the id of the image it will resolve to."""
-        who = f"task {task.task_id!r}: environment/Dockerfile"
         try:
             refs = from_references(dockerfile.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as e:
@@ -1396,10 +1442,9 @@ class ContainerEnvironments:
         return {ref: self.client.images.get(self._resolve(ref, f"{who}: FROM")).id
                 for ref in refs}
 
-    def _build(self, task: Task, spec: EnvironmentSpec, dockerfile: Path) -> str:
-        who = f"task {task.task_id!r}: environment/Dockerfile"
+    def _build(self, who: str, spec: EnvironmentSpec, dockerfile: Path) -> str:
         context = spec.context or dockerfile.parent
-        bases = self._bases(task, dockerfile)
+        bases = self._bases(who, dockerfile)
         h = hashlib.sha256(b"tidal-env/1\0")
         h.update(dockerfile.read_bytes() + b"\0")
         for ref, image_id in sorted(bases.items()):
@@ -1471,21 +1516,33 @@ class ContainerRuntimes:
         return self.environments.prepare(tasks)
 
     def notes(self, task: Task) -> list[str]:
-        return list(self.environments.spec(task).notes)
+        notes = list(self.environments.spec(task).notes)
+        sep = task.separate_verifier
+        if sep is not None and sep.environment is not None:
+            notes += [f"verifier: {n}" for n in self.environments.verifier_spec(task).notes]
+        return notes
 
     def spec(self, task: Task) -> ContainerSpec:
-        spec = self.environments.spec(task)
+        return self._bound(self.environments.spec(task))
+
+    def verifier_spec(self, task: Task) -> ContainerSpec:
+        return self._bound(self.environments.verifier_spec(task))
+
+    def _bound(self, spec: ContainerSpec) -> ContainerSpec:
         return replace(spec, binds=spec.binds + self.binds) if self.binds else spec
 
     def runtime(self, task: Task, limit_s: float | None = None
                 ) -> contextlib.AbstractContextManager[ContainerRuntime]:
-        """A fresh container (`limit_s` is not needed: a container has no CPU-time
-        limit, only its CPU share)."""
-        return container_runtime(self.spec(task), self.environments.client)
+        """A fresh container whose `end_agent` starts the verifier's (`limit_s` is not
+        needed: a container has no CPU-time limit, only its CPU share)."""
+        return container_runtime(self.spec(task), self.environments.client,
+                                 pristine=self.verifier_spec(task))
 
     @contextlib.contextmanager
     def restored(self, task: Task, snapshot: Path, limit_s: float | None = None
                  ) -> Iterator[ContainerRuntime]:
+        """The snapshot's container; its `end_agent` starts the verifier's container from
+        the spec the snapshot kept (`pristine`: the verifier's, as `runtime` gave it)."""
         rt = ContainerRuntime.restore(snapshot, self.environments.client)
         try:
             yield rt

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol
 
+from tidal.agent.harbor import HarborTaskError
 from tidal.agent.runtime import ToolRuntime
 from tidal.agent.sandboxed import SandboxRuntime
 from tidal.agent.tasks import Task, TaskError
@@ -140,6 +141,20 @@ class Environments:
         )
 
 
+def _refuse_own_verifier(task: Task) -> None:
+    """A verifier environment of its own (Harbor's separate mode with tests/Dockerfile or
+    `[verifier.environment]`) is refused by name: a sandbox is made from one config, and
+    its verifier's sandbox from the same (a separate verifier without an environment of
+    its own runs, in a fresh copy of the task's)."""
+    sep = task.separate_verifier
+    if sep is not None and sep.environment is not None:
+        raise HarborTaskError(
+            task.task_id, sep.file, f"the verifier has an environment of its own "
+            f"({sep.origin}), which tidal's bubblewrap sandboxes cannot give: use the "
+            "container runtime (`tidal tasks check --sandbox docker`; in a run, "
+            "rollout.sandbox = \"docker\")")
+
+
 @dataclass(frozen=True)
 class SandboxRuntimes:
     """`TaskRuntimes` of sandboxes made by `new_runtime` from `base` (limits, ports,
@@ -152,9 +167,13 @@ class SandboxRuntimes:
     environments: Environments | None = None
 
     def prepare(self, tasks: Iterable[Task]) -> int:
+        tasks = list(tasks)
+        for task in tasks:
+            _refuse_own_verifier(task)
         return 0 if self.environments is None else self.environments.prepare(tasks)
 
     def notes(self, task: Task) -> list[str]:
+        _refuse_own_verifier(task)
         env = None if self.environments is None else self.environments.environment(task)
         notes = []
         if task.environment is not None and task.environment.network_mode != "no-network":

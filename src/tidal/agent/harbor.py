@@ -5,11 +5,14 @@ tinker-cookbook load it). One directory per task; its name is the task id:
 
     <task>/instruction.md          what the agent is told
     <task>/task.toml               [task] name, description; [metadata] (free);
-                                   [verifier] timeout_sec, env; [agent] timeout_sec;
+                                   [verifier] timeout_sec, env, environment_mode,
+                                   reward_key, carry_paths (tidal's); [verifier.environment]
+                                   (the schema of [environment]); [agent] timeout_sec;
                                    [solution] env; [environment] workdir, docker_image,
                                    cpus, memory_mb, storage_mb, network_mode,
                                    allowed_hosts, env,
-                                   build_timeout_sec (older files: memory = "4G", ...)
+                                   build_timeout_sec (older files: memory = "4G", ...);
+                                   artifacts = ["/app/out.txt", {source = ...}]
     <task>/environment/Dockerfile  and its build context (tidal.sandbox.build)
     <task>/tests/test.sh           the verifier, run after the agent ends
     <task>/solution/solve.sh       the oracle (optional)
@@ -21,39 +24,68 @@ tinker-cookbook load it). One directory per task; its name is the task id:
 `load_tasks(DIR)` reads a directory of task directories (or one task directory) and
 refuses a malformed task with the task, the file and what is wrong. The grader of a
 Harbor task is `VerifierScript`: when the agent has ended, every process it left is
-killed and the verifier gets a fresh sandbox from the task's pristine image holding only
-the agent's working directory as the agent left it (`[verifier] carry_paths = ["/app",
-"/data"]`, tidal's own key, names other paths; `environment_mode = "shared"` keeps the
-agent's whole environment, and the verdict says so: `verifier_env` in the grade). There
-tests/ is copied to /tests and `/tests/test.sh` runs by its shebang in the task's
-working directory, within `[verifier] timeout_sec`; the reward is read from
-/logs/verifier as Harbor reads it, reward.json first, then reward.txt (`read_reward`:
-a dict is kept whole, and the rule for the number that trains is there).
+killed and the verifier gets an environment chosen by `[verifier] environment_mode`
+(`Task.verifier_carry`, `Task.separate_verifier`; the verdict says which: `verifier_env`
+in the grade):
+
+- "pristine", tidal's default: a fresh sandbox from the task's pristine image holding
+  only the agent's working directory as the agent left it (`[verifier] carry_paths =
+  ["/app", "/data"]`, tidal's own key, names other paths);
+- "shared" (Harbor's default): the agent's whole environment;
+- "separate" (or a `[verifier.environment]` table, which implies it and conflicts with
+  the other modes): as Harbor, a fresh environment of the verifier's own holding only
+  the task's declared `artifacts` (top-level; paths, or tables whose `source` is one)
+  and /logs/artifacts, each at its own path (plus `carry_paths`). Its image is
+  `[verifier.environment] docker_image`, else tests/Dockerfile built with tests/ as its
+  context, else the task's own; its resources and network `[verifier.environment]`'s,
+  else the task's `[environment]`'s. An image of the verifier's own brings /tests
+  itself (Harbor uploads no tests/ to it; tests/test.sh is then not required here).
+  Bubblewrap sandboxes give only the task's own image (`SandboxRuntimes` refuses the
+  rest by name); the container runtime builds both. In the other modes `artifacts`
+  are checked, and unused.
+
+Then tests/ is copied to /tests (unless the image brings them) and `/tests/test.sh`
+runs by its shebang in the environment's working directory, within `[verifier]
+timeout_sec`; the reward is read from /logs/verifier as Harbor reads it, reward.json
+first, then reward.txt (`read_reward`: a dict is kept whole, and the rule for the
+number that trains is there).
 
 A script that writes neither, an unreadable or non-finite number, or a run past the
 timeout is a grader error: the session is masked and counted, never a crash. The
 harness's status does not enter the reward (a timed-out agent is graded on what it
-left). Refused by name: Harbor's multi-step tasks (`[[steps]]`, `steps/`) and a verifier
-image of its own (tests/Dockerfile with `environment_mode = "separate"`, or
-`[verifier.environment]`); docker-compose environments are not read. `network_mode` is
-read (the older `allow_internet` where it is unset) and reported, never granted.
+left). Refused by name: Harbor's multi-step tasks (`[[steps]]`, `steps/`), a
+docker-compose verifier (tests/docker-compose.yaml), an artifact of another compose
+`service` or with `exclude` patterns (tidal carries an artifact whole); docker-compose
+environments are not read. `network_mode` is read (the older `allow_internet` where it
+is unset) and reported, never granted on bubblewrap.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import posixpath
 import re
+import shlex
 import tomllib
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tidal.agent.runtime import ToolRuntime
-from tidal.agent.tasks import EnvironmentSpec, Grade, Oracle, Step, Task, TaskError, TaskSet
+from tidal.agent.tasks import (
+    EnvironmentSpec,
+    Grade,
+    Oracle,
+    SeparateVerifier,
+    Step,
+    Task,
+    TaskError,
+    TaskSet,
+)
 from tidal.agent.tools import ALL_TOOLS, FINISH
 
 TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -84,6 +116,10 @@ def split_dirs(root: Path) -> tuple[Path, Path] | None:
     train, heldout = (root / s for s in SPLITS)
     return (train, heldout) if train.is_dir() and heldout.is_dir() else None
 VERIFIER_DIR = "/logs/verifier"
+ARTIFACTS_DIR = "/logs/artifacts"  # Harbor's convention: always handed to a separate verifier
+NO_BUNDLED_TESTS = ("the verifier's image has no /tests/test.sh (its tests are bundled: an "
+                    "image of its own brings them, as Harbor runs it, and tests/ is not "
+                    "uploaded)")
 DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for [agent] and [verifier] timeout_sec
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.I)
 
@@ -170,17 +206,23 @@ class VerifierScript:
     timeout_s: float = DEFAULT_TIMEOUT_S
     env: Mapping[str, str] = field(default_factory=dict)
     reward_key: str | None = None  # `[verifier] reward_key` (see `read_reward`)
+    bundled: bool = False  # the verifier's own image holds /tests: tests/ is not uploaded
 
     def grade(self, runtime: ToolRuntime, *, finished: bool | None = None) -> Grade:
-        # tests/ goes to a fresh staging directory first and replaces /tests in the same
-        # command that runs them, so nothing the agent left in /tests or /logs/verifier
-        # survives, at the cost of one command
-        staging = f"/tmp/.tidal-tests-{uuid.uuid4().hex[:12]}"
-        runtime.upload(self.tests, staging)
+        if self.bundled:
+            setup = (f"test -f /tests/test.sh || {{ echo {shlex.quote(NO_BUNDLED_TESTS)} >&2; "
+                     f"exit 127; }}; rm -rf {VERIFIER_DIR}")
+        else:
+            # tests/ goes to a fresh staging directory first and replaces /tests in the
+            # same command that runs them, so nothing the agent left in /tests or
+            # /logs/verifier survives, at the cost of one command
+            staging = f"/tmp/.tidal-tests-{uuid.uuid4().hex[:12]}"
+            runtime.upload(self.tests, staging)
+            setup = f"rm -rf /tests {VERIFIER_DIR} && mv {staging} /tests"
         run = runtime.exec(
-            f"rm -rf /tests {VERIFIER_DIR} && mv {staging} /tests && mkdir -p {VERIFIER_DIR} "
-            f"&& chmod +x /tests/test.sh && exec /tests/test.sh >{VERIFIER_DIR}/test-stdout.txt"
-            f" 2>{VERIFIER_DIR}/test-stderr.txt", self.timeout_s, env=self.env)
+            f"{setup} && mkdir -p {VERIFIER_DIR} && chmod +x /tests/test.sh && exec "
+            f"/tests/test.sh >{VERIFIER_DIR}/test-stdout.txt 2>{VERIFIER_DIR}/test-stderr.txt",
+            self.timeout_s, env=self.env)
         out = (_read(runtime, f"{VERIFIER_DIR}/test-stdout.txt") or "")[-2000:]
         err = (_read(runtime, f"{VERIFIER_DIR}/test-stderr.txt") or run.stderr)[-2000:]
         extra: dict[str, Any] = {"exit_code": run.exit_code, "output": out + err}
@@ -263,38 +305,124 @@ ENVIRONMENT_MODES = ("pristine", "separate", "shared")
 NETWORK_MODES = ("no-network", "public", "allowlist")  # Harbor's; public is its default
 
 
-def _network(env: Mapping[str, Any], err: Any) -> tuple[str, tuple[str, ...]]:
-    """`[environment] network_mode` and `allowed_hosts`, as Harbor reads them: the older
-    `allow_internet` (true: public, false: no-network) only where network_mode is unset."""
+def _network(env: Mapping[str, Any], where: str, err: Any) -> tuple[str, tuple[str, ...]]:
+    """`network_mode` and `allowed_hosts` of an environment table, as Harbor reads them:
+    the older `allow_internet` (true: public, false: no-network) only where network_mode
+    is unset."""
     mode = env.get("network_mode")
     if mode is None:
         internet = env.get("allow_internet", True)
         if not isinstance(internet, bool):
-            err(f"[environment].allow_internet must be true or false, got {internet!r}")
+            err(f"{where}.allow_internet must be true or false, got {internet!r}")
         mode = "public" if internet else "no-network"
     if mode not in NETWORK_MODES:
-        err(f"[environment].network_mode must be one of {', '.join(NETWORK_MODES)}, "
-            f"got {mode!r}")
+        err(f"{where}.network_mode must be one of {', '.join(NETWORK_MODES)}, got {mode!r}")
     hosts = env.get("allowed_hosts", [])
     if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
-        err(f"[environment].allowed_hosts must be a list of host names, got {hosts!r}")
+        err(f"{where}.allowed_hosts must be a list of host names, got {hosts!r}")
     if hosts and mode != "allowlist":
-        err("[environment].allowed_hosts is only valid with network_mode = \"allowlist\"")
+        err(f"{where}.allowed_hosts is only valid with network_mode = \"allowlist\"")
     return str(mode), tuple(hosts)
 
 
+def _size_mb(table: Mapping[str, Any], key_mb: str, legacy: str, where: str,
+             err: Any) -> int | None:
+    """`memory_mb = 2048`, or the older `memory = "2G"` (K, M, G, T; a bare number is MB)."""
+    if key_mb in table:
+        v = _number(table, key_mb, where, None, err)
+        return int(v) if v is not None else None
+    if legacy not in table:
+        return None
+    raw = table[legacy]
+    m = _SIZE.match(str(raw))
+    if m is None:
+        err(f"{where}.{legacy} = {raw!r} is not a size such as \"4G\" or \"512M\"")
+        return None
+    scale = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
+    return max(1, int(float(m.group(1)) * scale))
 
-def _verifier_carry(verifier: Mapping[str, Any], err: Any) -> tuple[str, ...] | None:
-    """What the verifier sees of the agent's environment (`Task.verifier_carry`), from
-    `[verifier] environment_mode` and tidal's `carry_paths`."""
-    mode = verifier.get("environment_mode", "pristine")
+
+def _environment(env: Mapping[str, Any], where: str, err: Any) -> EnvironmentSpec:
+    """An environment table (`[environment]`, or `[verifier.environment]`: the same
+    schema) as a spec without its Dockerfile (the caller knows the directory)."""
+    workdir = env.get("workdir")
+    if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
+        err(f"{where}.workdir must be an absolute path, got {workdir!r}")
+    image = env.get("docker_image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        err(f"{where}.docker_image must be an image reference, got {image!r}")
+    network, hosts = _network(env, where, err)
+    build_timeout = _number(env, "build_timeout_sec", where, 600.0, err)
+    assert build_timeout is not None
+    return EnvironmentSpec(
+        docker_image=image, workdir=workdir, env=_env(env, where, err),
+        cpus=_number(env, "cpus", where, None, err),
+        memory_mb=_size_mb(env, "memory_mb", "memory", where, err),
+        storage_mb=_size_mb(env, "storage_mb", "storage", where, err),
+        network_mode=network, allowed_hosts=hosts, build_timeout_s=build_timeout)
+
+
+def _verifier_mode(verifier: Mapping[str, Any], err: Any) -> str:
+    """`[verifier] environment_mode`, as Harbor resolves it but for the default (tidal's
+    is "pristine", Harbor's "shared"): a `[verifier.environment]` table means
+    "separate" and conflicts with any other mode."""
+    mode = verifier.get("environment_mode")
+    own = "environment" in verifier
+    if mode is None:
+        return "separate" if own else "pristine"
     if mode not in ENVIRONMENT_MODES:
         err(f"[verifier].environment_mode must be one of {', '.join(ENVIRONMENT_MODES)}, "
             f"got {mode!r}")
-    if "environment" in verifier:
-        err("[verifier.environment], a verifier environment of its own, is not supported yet:"
-            " tidal grades in a fresh copy of the task's environment (environment_mode = "
-            "\"separate\" without it)")
+    if own and mode != "separate":
+        err(f"[verifier].environment_mode = {mode!r} conflicts with [verifier.environment]: "
+            "a verifier environment of its own is the separate mode (set environment_mode = "
+            "\"separate\", or leave it out)")
+    return str(mode)
+
+
+def _artifacts(data: Mapping[str, Any], err: Any) -> tuple[str, ...]:
+    """The top-level `artifacts` list: what the agent's environment hands a separate
+    verifier, each to its own source path. An entry is a path or a table with `source`;
+    `destination` only places Harbor's host copy (tidal keeps none) and is read for its
+    type; a `service` other than "main" and `exclude` patterns are refused by name."""
+    raw = data.get("artifacts", [])
+    if not isinstance(raw, list):
+        err(f"artifacts must be a list of paths or {{source = ...}} tables, got {raw!r}")
+    out: list[str] = []
+    for i, entry in enumerate(raw):
+        where = f"artifacts[{i}]"
+        source = entry
+        if isinstance(entry, dict):
+            source = entry.get("source")
+            where += ".source"
+            service = entry.get("service")
+            if service not in (None, "main"):
+                err(f"artifacts[{i}].service = {service!r} is not supported: tidal runs a task "
+                    "in one container (no docker-compose services); leave it out or say "
+                    "\"main\"")
+            if entry.get("exclude"):
+                err(f"artifacts[{i}].exclude is not supported: tidal carries an artifact "
+                    "whole (name the paths to carry instead)")
+            if not isinstance(entry.get("destination", ""), str):
+                err(f"artifacts[{i}].destination must be a relative path, got "
+                    f"{entry['destination']!r}")
+        if not isinstance(source, str) or not source.startswith("/") or "\0" in source \
+                or ".." in PurePosixPath(source).parts:
+            err(f"{where} must be an absolute path without '..', got {source!r}")
+        path = posixpath.normpath(source)
+        if path in ("/", "//"):
+            err(f"{where} = {source!r} would hand the verifier everything: use "
+                "[verifier] environment_mode = \"shared\"")
+        out.append(path)
+    return tuple(out)
+
+
+def _verifier_carry(verifier: Mapping[str, Any], mode: str, artifacts: tuple[str, ...],
+                    err: Any) -> tuple[str, ...] | None:
+    """What the verifier sees of the agent's environment (`Task.verifier_carry`): all of
+    it when shared; the declared artifacts and /logs/artifacts when separate (as Harbor
+    hands them over); else the working directory, () (tidal's pristine mode). tidal's
+    `carry_paths` names more paths (pristine: those instead of the working directory)."""
     paths = verifier.get("carry_paths", [])
     if not isinstance(paths, list) or not all(
             isinstance(p, str) and p.startswith("/") and "\0" not in p for p in paths):
@@ -304,23 +432,9 @@ def _verifier_carry(verifier: Mapping[str, Any], err: Any) -> tuple[str, ...] | 
             err("[verifier].carry_paths means nothing with environment_mode = \"shared\": the "
                 "verifier sees all of the agent's environment")
         return None
+    if mode == "separate":
+        return tuple(dict.fromkeys((*artifacts, ARTIFACTS_DIR, *paths)))
     return tuple(paths)
-
-
-def _size_mb(table: Mapping[str, Any], key_mb: str, legacy: str, err: Any) -> int | None:
-    """`memory_mb = 2048`, or the older `memory = "2G"` (K, M, G, T; a bare number is MB)."""
-    if key_mb in table:
-        v = _number(table, key_mb, "[environment]", None, err)
-        return int(v) if v is not None else None
-    if legacy not in table:
-        return None
-    raw = table[legacy]
-    m = _SIZE.match(str(raw))
-    if m is None:
-        err(f"[environment].{legacy} = {raw!r} is not a size such as \"4G\" or \"512M\"")
-        return None
-    scale = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
-    return max(1, int(float(m.group(1)) * scale))
 
 
 def _parse_toml(task_id: str, path: Path) -> dict[str, Any]:
@@ -336,35 +450,52 @@ def _parse_toml(task_id: str, path: Path) -> dict[str, Any]:
     task, meta = _table(data, "task", err), _table(data, "metadata", err)
     verifier, agent = _table(data, "verifier", err), _table(data, "agent", err)
     solution, env = _table(data, "solution", err), _table(data, "environment", err)
-    workdir = env.get("workdir")
-    if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
-        err(f"[environment].workdir must be an absolute path, got {workdir!r}")
-    image = env.get("docker_image")
-    if image is not None and (not isinstance(image, str) or not image.strip()):
-        err(f"[environment].docker_image must be an image reference, got {image!r}")
-    network, hosts = _network(env, err)
+    own = verifier.get("environment")
+    if own is not None and not isinstance(own, dict):
+        err(f"[verifier.environment] must be a table, got {type(own).__name__}")
     reward_key = verifier.get("reward_key")
     if reward_key is not None and (not isinstance(reward_key, str) or not reward_key):
         err(f"[verifier].reward_key must name a key of reward.json, got {reward_key!r}")
-    cpus = _number(env, "cpus", "[environment]", None, err)
+    mode = _verifier_mode(verifier, err)
     return {
         "name": str(task.get("name", task_id)), "description": str(task.get("description", "")),
         "metadata": meta, "version": str(data.get("version", "")),
         "verifier_timeout": _number(verifier, "timeout_sec", "[verifier]", DEFAULT_TIMEOUT_S, err),
-        "verifier_env": _env(verifier, "[verifier]", err),
-        "verifier_carry": _verifier_carry(verifier, err), "reward_key": reward_key,
-        "verifier_mode": verifier.get("environment_mode", "pristine"),
+        "verifier_env": _env(verifier, "[verifier]", err), "reward_key": reward_key,
+        "verifier_mode": mode,
+        "verifier_carry": _verifier_carry(verifier, mode, _artifacts(data, err), err),
+        "verifier_environment": None if own is None else _environment(
+            own, "[verifier.environment]", err),
         "agent_timeout": _number(agent, "timeout_sec", "[agent]", DEFAULT_TIMEOUT_S, err),
         "solution_env": _env(solution, "[solution]", err),
-        "environment": {
-            "workdir": workdir, "docker_image": image, "cpus": cpus,
-            "memory_mb": _size_mb(env, "memory_mb", "memory", err),
-            "storage_mb": _size_mb(env, "storage_mb", "storage", err),
-            "network_mode": network, "allowed_hosts": hosts,
-            "env": _env(env, "[environment]", err),
-            "build_timeout": _number(env, "build_timeout_sec", "[environment]", 600.0, err),
-        },
+        "environment": _environment(env, "[environment]", err),
     }
+
+
+def _separate_verifier(tid: str, tests: Path, environment: EnvironmentSpec,
+                       own: EnvironmentSpec | None) -> tuple[SeparateVerifier, bool]:
+    """The environment a separate verifier runs in and whether its image brings the tests
+    (Harbor's `resolve_verifier_environment_definition`): `[verifier.environment]
+    docker_image`; else tests/Dockerfile, built with tests/ as its context; else the
+    task's own image. Its resources are `[verifier.environment]`'s, else a copy of the
+    task's `[environment]`. The first two bring /tests themselves (Harbor uploads no
+    tests/ to them)."""
+    if own is not None and own.docker_image is not None:
+        return SeparateVerifier(own, f"docker_image {own.docker_image}"), True
+    if (tests / "docker-compose.yaml").is_file():
+        raise HarborTaskError(tid, "tests/docker-compose.yaml", "a docker-compose verifier "
+                              "environment is not supported: tidal runs a verifier in one "
+                              "container (give it a tests/Dockerfile or a [verifier."
+                              "environment] docker_image)")
+    if (tests / "Dockerfile").is_file():
+        spec = replace(own or environment, dockerfile=tests / "Dockerfile", context=tests,
+                       docker_image=None)
+        return SeparateVerifier(spec, "tests/Dockerfile", "tests/Dockerfile"), True
+    if own is not None:
+        spec = replace(own, dockerfile=environment.dockerfile, context=environment.context,
+                       docker_image=environment.docker_image)
+        return SeparateVerifier(spec, "[verifier.environment] on the task's image"), False
+    return SeparateVerifier(), False
 
 
 # --------------------------------------------------------------------------- loading
@@ -406,36 +537,29 @@ def load_task(path: Path) -> Task:
     if not prompt:
         raise HarborTaskError(tid, "instruction.md", "empty")
     cfg = _parse_toml(tid, path / "task.toml")
-    test_sh = path / "tests" / "test.sh"
-    if not test_sh.is_file():
-        raise HarborTaskError(tid, "tests/test.sh", "missing: the verifier that writes "
-                              f"{VERIFIER_DIR}/reward.txt or reward.json")
-    if (path / "tests" / "Dockerfile").is_file() and cfg["verifier_mode"] == "separate":
-        raise HarborTaskError(tid, "tests/Dockerfile", "a verifier environment of its own is "
-                              "not supported yet: tidal grades in a fresh copy of the task's "
-                              "environment (remove it, or grade in the agent's with "
-                              "environment_mode = \"shared\")")
-    env = cfg["environment"]
     dockerfile = path / "environment" / "Dockerfile"
-    if not dockerfile.is_file() and env["docker_image"] is None:
+    env: EnvironmentSpec = cfg["environment"]
+    if not dockerfile.is_file() and env.docker_image is None:
         raise HarborTaskError(tid, "environment/Dockerfile", "missing, and task.toml names no "
                               "[environment] docker_image: say what the task runs in")
-    spec = EnvironmentSpec(
-        dockerfile=dockerfile if dockerfile.is_file() else None,
-        context=dockerfile.parent if dockerfile.is_file() else None,
-        docker_image=env["docker_image"], workdir=env["workdir"], env=env["env"],
-        cpus=env["cpus"], memory_mb=env["memory_mb"], storage_mb=env["storage_mb"],
-        network_mode=env["network_mode"], allowed_hosts=env["allowed_hosts"],
-        build_timeout_s=env["build_timeout"],
-    )
+    if dockerfile.is_file():
+        env = replace(env, dockerfile=dockerfile, context=dockerfile.parent)
+    separate, bundled = None, False
+    if cfg["verifier_mode"] == "separate":
+        separate, bundled = _separate_verifier(tid, path / "tests", env,
+                                               cfg["verifier_environment"])
+    if not bundled and not (path / "tests" / "test.sh").is_file():
+        raise HarborTaskError(tid, "tests/test.sh", "missing: the verifier that writes "
+                              f"{VERIFIER_DIR}/reward.txt or reward.json")
     solve = path / "solution" / "solve.sh"
     calls = path / "solution" / "tool_calls.json"
     return Task(
         task_id=tid, prompt=prompt,
         grader=VerifierScript(path / "tests", cfg["verifier_timeout"], cfg["verifier_env"],
-                              cfg["reward_key"]),
-        family=str(cfg["metadata"].get("category", "")), environment=spec,
+                              cfg["reward_key"], bundled),
+        family=str(cfg["metadata"].get("category", "")), environment=env,
         time_limit_s=cfg["agent_timeout"], source=path, verifier_carry=cfg["verifier_carry"],
+        separate_verifier=separate,
         oracle=Oracle(solve.parent, cfg["solution_env"]) if solve.is_file() else None,
         solution=read_tool_calls(tid, calls) if calls.is_file() else (),
         metadata={"name": cfg["name"], "description": cfg["description"],

@@ -289,14 +289,21 @@ class LiveEpisodes:
                 record = EpisodeRecord(**json.loads((d / f"{session_id}.json").read_text()))
             if self.replay is not None:
                 self.replay.replay(self.store.episode_sessions(session_id))
-        cm: contextlib.AbstractContextManager[ToolRuntime]
-        if resume and snapshots and saved.exists():
-            cm = self.runtimes.restored(task, saved, limit_s)
-        else:
-            self._discard(saved)
-            record = replace(record, snapshots=0)
-            cm = self.runtimes.runtime(task, limit_s)
-        with cm as rt:
+        with contextlib.ExitStack() as stack:
+            rt: ToolRuntime | None = None
+            if resume and snapshots and saved.exists():
+                try:
+                    rt = stack.enter_context(self.runtimes.restored(task, saved, limit_s))
+                except (SandboxError, TaskError, RuntimeToolError, OSError) as e:
+                    # e.g. a container snapshot taken on another node's engine: the episode
+                    # starts again in a fresh runtime, its recorded model calls replayed
+                    warnings.warn(f"live episode {session_id}: its snapshot {saved} cannot be "
+                                  f"restored here ({e}); it starts in a fresh runtime",
+                                  RuntimeWarning, stacklevel=3)
+            if rt is None:
+                self._discard(saved)
+                record = replace(record, snapshots=0)
+                rt = stack.enter_context(self.runtimes.runtime(task, limit_s))
             live = _Live(group, record, rt, time.monotonic() - record.elapsed_s,
                          can_snapshot=snapshots and rt.can_snapshot)
             if d.is_dir():

@@ -7,8 +7,9 @@ environment must earn less than 1 (else the tests pass without any agent), and i
 oracle (solution/solve.sh, when the task has one) must earn exactly 1. Each check runs
 in a fresh runtime built exactly as an episode's is, through the seam episodes use
 (`tidal.agent.environment.TaskRuntimes`): a bubblewrap sandbox (`SandboxRuntimes`) or a
-container (`tidal.agent.containers.ContainerRuntimes`). A problem names the file at
-fault.
+container (`tidal.agent.containers.ContainerRuntimes`), and is graded as an episode is,
+after `end_agent`: a note says what the verifier ran in ("verifier: pristine, carrying
+/app"). A problem names the file at fault.
 """
 
 from __future__ import annotations
@@ -66,13 +67,15 @@ def check_task(path: Path, runtimes: TaskRuntimes) -> TaskCheck:
         return TaskCheck(path.name, problems=(Problem(e.file, e.problem),))
     try:
         notes = runtimes.notes(task)
+    except HarborTaskError as e:  # what the task declares and this runtime cannot give
+        return TaskCheck(task.task_id, problems=(Problem(e.file, e.problem),))
     except TaskError as e:
         return TaskCheck(task.task_id, problems=(Problem("environment/Dockerfile",
                          str(e).removeprefix(f"task {task.task_id!r}: ")),))
     problems: list[Problem] = []
     with runtimes.runtime(task) as rt:
         prepare(task, rt)
-        rt.end_agent(task.verifier_carry)
+        verifier = rt.end_agent(task.verifier_carry)
         untouched, found = _graded(task.grader.grade(rt), "untouched environment")
     problems += found
     if untouched is not None and untouched >= 1.0:
@@ -94,6 +97,7 @@ def check_task(path: Path, runtimes: TaskRuntimes) -> TaskCheck:
         if oracle is not None and oracle != 1.0:
             problems.append(Problem("tests/test.sh", f"the oracle earns {oracle:g}, not 1: the "
                                     "solution or the tests are wrong"))
+    notes.append(f"verifier: {verifier}")
     return TaskCheck(task.task_id, oracle, untouched, tuple(problems), tuple(notes))
 
 

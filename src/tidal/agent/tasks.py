@@ -181,6 +181,25 @@ class EnvironmentSpec:
 
 
 @dataclass(frozen=True)
+class SeparateVerifier:
+    """Harbor's separate verifier (`[verifier] environment_mode = "separate"`, or a
+    `[verifier.environment]` table): the grader runs in a fresh environment of its own,
+    which holds of the agent's only `Task.verifier_carry` (the task's declared artifacts).
+    `environment` is that environment's own image and resources (a tests/Dockerfile
+    built with tests/ as its context, or `[verifier.environment]`); None: a fresh copy of
+    the task's own environment. `origin` says which, for a verdict; `file` is where it is
+    declared, for a refusal."""
+
+    environment: EnvironmentSpec | None = None
+    origin: str = "a fresh copy of the task's environment"
+    file: str = "task.toml"
+
+    def describe(self) -> str:
+        """What a verdict says the verifier ran in: "separate (tests/Dockerfile)"."""
+        return f"separate ({self.origin})"
+
+
+@dataclass(frozen=True)
 class Oracle:
     """A task's reference solution as a script: `directory/solve.sh`, run from the
     working directory with `env` (Harbor's solution/ and `[solution] env`)."""
@@ -197,7 +216,8 @@ class Task:
     of the agent's environment (`ToolRuntime.end_agent`): None all of it (the built-in
     file checks, which only read files), else a fresh environment from the pristine
     image with only these paths carried over, () for the working directory (a Harbor
-    task's default: its test.sh runs commands)."""
+    task's default: its test.sh runs commands). `separate_verifier`, when set, is the
+    environment that fresh one is made from instead (Harbor's separate mode)."""
 
     task_id: str
     prompt: str
@@ -211,6 +231,7 @@ class Task:
     source: Path | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     verifier_carry: tuple[str, ...] | None = None
+    separate_verifier: SeparateVerifier | None = None
 
     def __post_init__(self) -> None:
         if not self.task_id or not self.prompt.strip():
@@ -219,6 +240,9 @@ class Task:
             raise TaskError(f"task {self.task_id!r}: grader {self.grader!r} has no grade()")
         if self.solution and [s.name for s in self.solution[-1]] != [FINISH]:
             raise TaskError(f"task {self.task_id!r}: the solution's last turn must be finish")
+        if self.separate_verifier is not None and self.verifier_carry is None:
+            raise TaskError(f"task {self.task_id!r}: a separate verifier needs verifier_carry "
+                            "(the paths it gets of the agent's environment)")
 
 
 @dataclass(frozen=True)

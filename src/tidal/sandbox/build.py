@@ -146,7 +146,8 @@ def resolve_base(ref: str, images: Mapping[str, str], fallback: str | None, *,
     path = Path(value).expanduser()
     if not path.is_dir():
         raise DockerfileError(file, line, f"the image directory {value!r} for {ref!r} does "
-                              "not exist", "fix its path in [environment] images")
+                              "not exist", "fix its path (`tidal tasks check --image "
+                              "REF=DIR`; in a run, [environment] images)")
     return str(path.resolve())
 
 

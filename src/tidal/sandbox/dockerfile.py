@@ -31,13 +31,16 @@ IGNORED = frozenset({"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "VOLU
                      "HEALTHCHECK", "STOPSIGNAL"})
 
 REMEDY_NETWORK = ("tidal builds without network: install this in a base image directory and "
-                  "map FROM to it in [environment] images, or check the task on a container "
-                  "engine, which builds it as written (`tidal tasks check --sandbox docker`)")
+                  "map FROM to it (`tidal tasks check --image REF=DIR`; in a run, [environment] "
+                  "images), or run the task on a container engine, which builds it as written "
+                  "(`tidal tasks check --sandbox docker`; in a run, rollout.sandbox = "
+                  "\"docker\")")
 REMEDY_UNMAPPED = ("map it to a local image directory (`tidal tasks check --image REF=DIR`; in a "
                    "run, [environment] images), or build on tidal's default image instead "
                    "(`--fallback default`; in a run, [environment] fallback = \"default\")")
 REMEDY_ONE_STAGE = ("use a single stage: build the earlier stage into an image directory and "
-                    "map FROM to it in [environment] images")
+                    "map FROM to it (`tidal tasks check --image REF=DIR`; in a run, "
+                    "[environment] images)")
 REMEDY_HEREDOC = "write the script into the build context, COPY it and RUN it"
 REMEDY_SUPPORTED = "remove it or rewrite it with the supported instructions (docs/sandbox.md)"
 
@@ -632,7 +635,8 @@ class _Parser:
         """LABEL changes nothing built; tidal reads one of them (DEFAULT_IMAGE_LABEL). A
         LABEL it cannot read stays ignored, as before, unless it names that one."""
         remedy = (f"write LABEL {DEFAULT_IMAGE_LABEL}=\"default\", or map FROM to an image "
-                  "directory in [environment] images")
+                  "directory (`tidal tasks check --image REF=DIR`; in a run, [environment] "
+                  "images)")
         try:
             pairs = self.pairs("LABEL", rest)
         except DockerfileError as e:
