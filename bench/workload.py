@@ -118,6 +118,7 @@ def bench_container(task: Task, images: dict[str, str], repeat: int,
             snap = tmp / f"snap-{i}.json"
             rt.snapshot(snap)
             t3 = time.perf_counter()
+            snaps.append(t3 - t2)
             with contextlib.closing(ContainerRuntime.restore(snap, client)) as back:
                 assert back.exec("true", 30.0).replayed
             restores.append(time.perf_counter() - t3)
@@ -131,7 +132,6 @@ def bench_container(task: Task, images: dict[str, str], repeat: int,
         remove_snapshot(snap, client)
         start.append((t1 - t0) + (t6 - t5))
         execs.append(t2 - t1)
-        snaps.append(t3 - t2)
         grades.append(t5 - t4)
         rewards.append(g.reward)
     return {"build_cold_ms": round(1000 * cold_s, 1), "build_cached": _stats(cached),

@@ -964,8 +964,8 @@ class ContainerRuntime:
         waits for running operations to end and holds new ones back; the container is
         paused for the commit and goes on running. The image lives in this engine only
         (a snapshot resumes on the engine that took it) until `remove_snapshot`; a new
-        snapshot at the same path removes the images of earlier ones that no container
-        still runs from."""
+        snapshot at the same path removes the image of the one it replaces, unless a
+        container still runs from it (`remove_snapshot` removes them all)."""
         if not self.can_snapshot:
             raise RuntimeToolError("the agent has ended: its container is gone, and the "
                                    "verifier's is not to be resumed")
@@ -975,6 +975,9 @@ class ContainerRuntime:
             raise RuntimeToolError(f"snapshot path {path} is a directory; name a file")
         prefix = _snapshot_prefix(path)
         tag = f"{prefix}-{uuid.uuid4().hex[:16]}"
+        earlier = None  # the image the snapshot this one replaces committed
+        with contextlib.suppress(ContainerError):
+            earlier = str(read_snapshot(path)["image_id"]) if path.exists() else None
         with self._ops:
             while self._exclusive:
                 self._ops.wait()
@@ -1007,7 +1010,11 @@ class ContainerRuntime:
             "spec": self.spec.to_dict(), "pristine": self.pristine.to_dict(),
             "created": time.time(), "log": log}) + "\n")
         tmp.replace(path)
-        _remove_snapshot_images(self.client, prefix, keep=tag, strict=False)
+        if earlier is not None and earlier != image.id:
+            # one a container still runs from (this runtime's, restored from it) stays,
+            # until `remove_snapshot` takes every image of the path
+            with contextlib.suppress(docker.errors.APIError):
+                self.client.api.remove_image(earlier, force=False)
 
     @classmethod
     def restore(cls, path: Path, client: docker.DockerClient, *,
@@ -1138,30 +1145,28 @@ def _snapshot_prefix(path: Path) -> str:
     return hashlib.sha256(os.fsencode(Path(path).absolute())).hexdigest()[:16]
 
 
-def _remove_snapshot_images(client: docker.DockerClient, prefix: str, *, keep: str = "",
-                            strict: bool) -> None:
-    """Remove the snapshot images tagged `prefix-*` but `keep`. One that a container
-    still runs from is a ContainerError when `strict`, else left for a later call."""
+def _remove_snapshot_images(client: docker.DockerClient, prefix: str) -> None:
+    """Remove the snapshot images tagged `prefix-*`; ContainerError for one that a
+    container still runs from."""
     # the low-level list: one call, no per-image lookups that a concurrent removal fails
     for image in client.api.images(name=SNAPSHOT_REPO):
         refs = [str(t) for t in image.get("RepoTags") or ()]
         tags = [t.rsplit(":", 1)[1] for t in refs if t.rsplit(":", 1)[0].endswith(SNAPSHOT_REPO)]
-        if not any(t.startswith(prefix + "-") for t in tags) or keep in tags:
+        if not any(t.startswith(prefix + "-") for t in tags):
             continue
         try:
             client.api.remove_image(image["Id"], force=False)
         except docker.errors.ImageNotFound:
             pass
         except docker.errors.APIError as e:
-            if strict:
-                raise ContainerError(f"could not remove snapshot image {refs[0]}: "
-                                     f"{_why(e)}") from None
+            raise ContainerError(f"could not remove snapshot image {refs[0]}: "
+                                 f"{_why(e)}") from None
 
 
 def remove_snapshot(path: Path, client: docker.DockerClient) -> None:
     """Delete a snapshot: its file and every image a snapshot at that path committed
     (ContainerError while a container still runs from one). A missing file is fine."""
-    _remove_snapshot_images(client, _snapshot_prefix(path), strict=True)
+    _remove_snapshot_images(client, _snapshot_prefix(path))
     Path(path).unlink(missing_ok=True)
 
 
