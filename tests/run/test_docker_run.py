@@ -12,6 +12,7 @@ Skipped, saying why, where no container engine answers (`make test` starts one:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -68,19 +69,28 @@ def _config(tasks: Path, **over: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _engine_state() -> tuple[set[str], set[str]]:
-    """The engine's tidal containers and snapshot images."""
-    from tidal.agent.containers import SNAPSHOT_REPO, connect, reap_orphans
+def _left_by(run: Path) -> tuple[list[str], list[str]]:
+    """What the engine still holds of the runs that wrote `run`: containers started by
+    this process or by one that is gone (the runs' own, in process or killed), and
+    snapshot images whose file was under `run`. Other tests' containers and images (the
+    suite runs test files side by side on one engine) are not counted."""
+    from tidal.agent.containers import OWNER, SNAPSHOT_OF, SNAPSHOT_REPO, connect, owner_alive
 
     client = connect()
-    reap_orphans(client)  # what earlier killed runs left
-    return ({c.id for c in client.containers.list(all=True, filters={"label": "tidal=1"})},
-            {i.id for i in client.images.list(name=SNAPSHOT_REPO)})
+    me = f":{os.getpid()}:"
+    containers = [c["Id"][:12] for c in client.api.containers(
+        all=True, filters={"label": [f"{OWNER}"]})
+        if me in c["Labels"][OWNER] or not owner_alive(c["Labels"][OWNER])]
+    images = [i["Id"][:19] for i in client.api.images(name=SNAPSHOT_REPO)
+              if str((i.get("Labels") or {}).get(SNAPSHOT_OF, "")).startswith(str(run))]
+    return containers, images
 
 
 @pytest.mark.slow
 def test_a_run_on_containers_trains_harbor_tasks_and_verifies(tmp_path: Path) -> None:
-    before = _engine_state()
+    from tidal.agent.containers import connect, reap_orphans
+
+    reap_orphans(connect())  # what earlier killed runs left
     out = tmp_path / "run"
     summary = run(parse_config(_config(_tasks(tmp_path / "tasks"))), out)
     assert summary["steps"] == 2 and summary["verify_ok"] and summary["drift_tokens"] == 0
@@ -100,12 +110,11 @@ def test_a_run_on_containers_trains_harbor_tasks_and_verifies(tmp_path: Path) ->
             grader = outcomes[sid].details["grader"]
             assert isinstance(grader, dict) and grader["verifier_env"] == \
                 "pristine, carrying /app", grader
-    assert _engine_state() == before  # no container, no snapshot image left
+    assert _left_by(out) == ([], [])  # no container, no snapshot image left
 
 
 @pytest.mark.slow
 def test_a_killed_run_on_containers_resumes_from_its_snapshots(tmp_path: Path) -> None:
-    before = _engine_state()
     cfg = _config(_tasks(tmp_path / "tasks"), rl={"steps": 3},
                   rollout={"max_turns": 6, "max_tokens": 16})
     out = tmp_path / "run"
@@ -122,4 +131,4 @@ def test_a_killed_run_on_containers_resumes_from_its_snapshots(tmp_path: Path) -
     # the killed process's containers (and any image it committed without writing the
     # snapshot's file) went when the resumed run started (`reap_orphans`), and the
     # snapshots once their groups were done
-    assert _engine_state() == before
+    assert _left_by(out) == ([], [])

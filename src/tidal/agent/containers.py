@@ -79,7 +79,7 @@ import psutil
 from tidal.agent.harbor import HarborTaskError
 from tidal.agent.runtime import RuntimeToolError
 from tidal.agent.tasks import EnvironmentSpec, Task, TaskError
-from tidal.sandbox.oplog import OpLog, op_key
+from tidal.sandbox.oplog import OpLog
 from tidal.sandbox.types import (
     Bind,
     ExecResult,
@@ -109,6 +109,9 @@ _LINK_BIT = 1 << 27
 _STAT_HEADER = "X-Docker-Container-Path-Stat"
 _NETWORKS = ("none", "bridge")
 T = TypeVar("T")
+# what a logged operation's refusal is kept as, and raised as again when it is replayed
+_LOGGED_ERRORS: dict[str, type[Exception]] = {"FileNotFoundError": FileNotFoundError,
+                                              "RuntimeToolError": RuntimeToolError}
 _HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
 
 # `list`: names NUL-separated, directories (not links to them) suffixed "/"; exit 2 when
@@ -158,7 +161,7 @@ def _owner() -> str:
     return f"{os.uname().nodename}:{me.pid}:{me.create_time():.2f}"
 
 
-def _alive(owner: str) -> bool:
+def owner_alive(owner: str) -> bool:
     """Whether the process an OWNER label names still runs (a label of another host, or
     one that does not parse, counts as alive: it is not this host's to judge)."""
     host, _, rest = owner.partition(":")
@@ -181,14 +184,14 @@ def reap_orphans(client: docker.DockerClient) -> int:
     n = 0
     for c in client.api.containers(all=True, filters={"label": [f"{LABEL}=1"]}):
         owner = (c.get("Labels") or {}).get(OWNER)
-        if owner is not None and not _alive(str(owner)):
+        if owner is not None and not owner_alive(str(owner)):
             with contextlib.suppress(docker.errors.NotFound):
                 client.api.remove_container(c["Id"], force=True)
                 n += 1
-    for image in client.api.images(name=SNAPSHOT_REPO):
+    for image in _snapshot_images(client):
         labels = image.get("Labels") or {}
         owner, path = labels.get(OWNER), labels.get(SNAPSHOT_OF)
-        if owner is None or path is None or _alive(str(owner)):
+        if owner is None or path is None or owner_alive(str(owner)):
             continue
         with contextlib.suppress(ContainerError):
             if read_snapshot(Path(str(path)))["image_id"] == image["Id"]:
@@ -879,31 +882,37 @@ class ContainerRuntime:
                 self._active -= 1
                 self._ops.notify_all()
 
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        """No operation runs inside (a snapshot): waits for the running ones to end and
+        holds new ones back until it is left."""
+        with self._ops:
+            while self._exclusive:
+                self._ops.wait()
+            self._exclusive = True
+            try:
+                while self._active:
+                    self._ops.wait()
+            except BaseException:
+                self._exclusive = False
+                self._ops.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with self._ops:
+                self._exclusive = False
+                self._ops.notify_all()
+
     def _logged(self, op: str, args: Mapping[str, object], run: Callable[[], T],
                 encode: Callable[[T], Mapping[str, object]],
                 decode: Callable[[Mapping[str, Any]], T]) -> T:
-        """Run an operation once: answered from the command log while a restored
-        runtime replays it (`tidal.sandbox.oplog`), else run and logged with its result
-        (a refusal too, as the type it raised)."""
-        key = op_key(op, args)
+        """Run an operation once (`OpLog.once`): answered from the command log while a
+        restored runtime replays it, else run and logged with its result (a refusal
+        too, as the type it raised)."""
         with self._op():
-            hit = self._oplog.replayed(op, key, args)
-            if hit is not None:
-                err = hit.result.get("error")
-                if isinstance(err, Mapping):
-                    kind = FileNotFoundError if err.get("type") == "FileNotFoundError" \
-                        else RuntimeToolError
-                    raise kind(str(err.get("message", "")))
-                return decode(hit.result)
-            try:
-                value = run()
-            except (FileNotFoundError, RuntimeToolError) as e:
-                self._oplog.append(op, key, args, {"error": {
-                    "type": "FileNotFoundError" if isinstance(e, FileNotFoundError)
-                    else "RuntimeToolError", "message": str(e)}})
-                raise
-            self._oplog.append(op, key, args, encode(value))
-            return value
+            return self._oplog.once(op, args, run, encode, decode,
+                                   errors=_LOGGED_ERRORS)
 
     @property
     def replay_pending(self) -> int:
@@ -978,18 +987,7 @@ class ContainerRuntime:
         earlier = None  # the image the snapshot this one replaces committed
         with contextlib.suppress(ContainerError):
             earlier = str(read_snapshot(path)["image_id"]) if path.exists() else None
-        with self._ops:
-            while self._exclusive:
-                self._ops.wait()
-            self._exclusive = True
-            try:
-                while self._active:
-                    self._ops.wait()
-            except BaseException:
-                self._exclusive = False
-                self._ops.notify_all()
-                raise
-        try:
+        with self._alone():
             try:
                 image = self.client.containers.get(self.container_id).commit(
                     repository=SNAPSHOT_REPO, tag=tag, pause=True, changes=[
@@ -999,10 +997,6 @@ class ContainerRuntime:
                 raise ContainerError(f"committing container {self.container_id[:12]} failed: "
                                      f"{_why(e)}") from None
             log = [e.to_dict() for e in self._oplog.entries]
-        finally:
-            with self._ops:
-                self._exclusive = False
-                self._ops.notify_all()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps({
@@ -1145,22 +1139,40 @@ def _snapshot_prefix(path: Path) -> str:
     return hashlib.sha256(os.fsencode(Path(path).absolute())).hexdigest()[:16]
 
 
+def _snapshot_images(client: docker.DockerClient) -> builtins.list[dict[str, Any]]:
+    """The engine's snapshot images. The low-level list: one call, no per-image lookups
+    that a concurrent removal fails; podman 4.3's list itself fails now and then while
+    another image is being removed ("retrieving parent of image"): asked again."""
+    for attempt in range(5):
+        try:
+            images: builtins.list[dict[str, Any]] = client.api.images(name=SNAPSHOT_REPO)
+            return images
+        except docker.errors.APIError as e:
+            if attempt == 4:
+                raise ContainerError(f"could not list the snapshot images: {_why(e)}") from None
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
 def _remove_snapshot_images(client: docker.DockerClient, prefix: str) -> None:
     """Remove the snapshot images tagged `prefix-*`; ContainerError for one that a
     container still runs from."""
-    # the low-level list: one call, no per-image lookups that a concurrent removal fails
-    for image in client.api.images(name=SNAPSHOT_REPO):
+    for image in _snapshot_images(client):
         refs = [str(t) for t in image.get("RepoTags") or ()]
         tags = [t.rsplit(":", 1)[1] for t in refs if t.rsplit(":", 1)[0].endswith(SNAPSHOT_REPO)]
         if not any(t.startswith(prefix + "-") for t in tags):
             continue
-        try:
-            client.api.remove_image(image["Id"], force=False)
-        except docker.errors.ImageNotFound:
-            pass
-        except docker.errors.APIError as e:
-            raise ContainerError(f"could not remove snapshot image {refs[0]}: "
-                                 f"{_why(e)}") from None
+        for attempt in range(3):  # the engine's storage may be busy (another commit)
+            try:
+                client.api.remove_image(image["Id"], force=False)
+                break
+            except docker.errors.ImageNotFound:
+                break
+            except docker.errors.APIError as e:
+                if attempt == 2:
+                    raise ContainerError(f"could not remove snapshot image {refs[0]}: "
+                                         f"{_why(e)}") from None
+                time.sleep(0.2)
 
 
 def remove_snapshot(path: Path, client: docker.DockerClient) -> None:
@@ -1342,6 +1354,9 @@ class ContainerEnvironments:
     build_network: Literal["default", "none"] = "default"
     _built: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _fresh: set[str] = field(default_factory=set, init=False, repr=False)
+    # (task id, "task" | "verifier") -> its spec: made once (each is an image inspect)
+    _specs: dict[tuple[str, str], ContainerSpec] = field(default_factory=dict, init=False,
+                                                         repr=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _podman: bool | None = field(default=None, init=False, repr=False)
@@ -1374,8 +1389,11 @@ class ContainerEnvironments:
                                   str(e).removeprefix(f"{who}: ")) from None
 
     def spec(self, task: Task) -> ContainerSpec:
-        """The container of one episode of `task` (see `spec_for`)."""
-        return spec_for(task, self.image(task), self.client)
+        """The container of one episode of `task` (see `spec_for`), made once."""
+        key = (task.task_id, "task")
+        if key not in self._specs:
+            self._specs[key] = spec_for(task, self.image(task), self.client)
+        return self._specs[key]
 
     def verifier_spec(self, task: Task) -> ContainerSpec:
         """The container the task's verifier starts from (`ContainerRuntime.pristine`): the
@@ -1384,9 +1402,13 @@ class ContainerEnvironments:
         sep = task.separate_verifier
         if sep is None:
             return self.spec(task)
-        spec = self.spec(task) if sep.environment is None else spec_for(
-            task, self.verifier_image(task), self.client, sep.environment)
-        return replace(spec, labels={**spec.labels, VERIFIER_LABEL: sep.describe()})
+        key = (task.task_id, "verifier")
+        if key not in self._specs:
+            spec = self.spec(task) if sep.environment is None else spec_for(
+                task, self.verifier_image(task), self.client, sep.environment)
+            self._specs[key] = replace(spec, labels={**spec.labels,
+                                                     VERIFIER_LABEL: sep.describe()})
+        return self._specs[key]
 
     def prepare(self, tasks: Iterable[Task]) -> int:
         """Build every task's images now, its verifier's too (a broken one stops a run

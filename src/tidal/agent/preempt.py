@@ -431,7 +431,8 @@ class LiveEpisodes:
 
     def _discard(self, snapshot: Path) -> None:
         """A snapshot no longer needed, with what it holds outside its file (a container
-        snapshot's image); a failure is warned, not raised: the episode is done."""
+        snapshot's image). A failure is warned, not raised (the episode is done), and
+        the file is kept, so that closing the group tries again."""
         if not snapshot.exists():
             return
         try:
@@ -439,6 +440,7 @@ class LiveEpisodes:
         except Exception as e:
             warnings.warn(f"discarding snapshot {snapshot} failed: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=2)
+            return
         snapshot.unlink(missing_ok=True)
 
     def _ensure_thread(self) -> None:

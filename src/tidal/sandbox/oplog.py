@@ -19,11 +19,13 @@ import hashlib
 import json
 import threading
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tidal.sandbox.types import ReplayDivergenceError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -113,3 +115,40 @@ class OpLog:
                result: Mapping[str, Any]) -> None:
         with self._lock:
             self._entries.append(LogEntry(len(self._entries), op, key, dict(args), dict(result)))
+
+    def once(self, op: str, args: Mapping[str, Any], run: Callable[[], T],
+             encode: Callable[[T], Mapping[str, Any]],
+             decode: Callable[[Mapping[str, Any]], T], *,
+             errors: Mapping[str, type[Exception]]) -> T:
+        """An operation run exactly once: answered from the log while a restored
+        runtime replays it, else run and logged with its result. An exception of one of
+        `errors`' types (by name; an instance of none exactly goes under the first it is
+        an instance of) is logged too, and raised again as that type when replayed."""
+        key = op_key(op, args)
+        hit = self.replayed(op, key, args)
+        if hit is not None:
+            if "error" in hit.result:
+                raise _logged_error(hit.result["error"], errors)
+            return decode(hit.result)
+        try:
+            value = run()
+        except tuple(errors.values()) as e:
+            self.append(op, key, args, {"error": _error_entry(e, errors)})
+            raise
+        self.append(op, key, args, encode(value))
+        return value
+
+
+def _error_entry(e: Exception, errors: Mapping[str, type[Exception]]) -> dict[str, Any]:
+    name = next((n for n, t in errors.items() if type(e) is t), None) or next(
+        n for n, t in errors.items() if isinstance(e, t))
+    err = getattr(e, "errno", None)
+    msg = getattr(e, "strerror", None) if err is not None else None
+    return {"type": name, "errno": err, "message": msg or str(e)}
+
+
+def _logged_error(e: Mapping[str, Any], errors: Mapping[str, type[Exception]]) -> Exception:
+    cls = errors.get(e["type"], OSError)
+    if issubclass(cls, OSError) and e.get("errno") is not None:
+        return cls(e["errno"], e["message"])
+    return cls(e["message"])

@@ -95,21 +95,6 @@ _ERRORS: dict[str, type[Exception]] = {
 }
 
 
-def _error_result(e: Exception) -> dict[str, Any]:
-    name = next((n for n, t in _ERRORS.items() if type(e) is t), "OSError")
-    err = getattr(e, "errno", None)
-    msg = getattr(e, "strerror", None) if err is not None else None
-    return {"error": {"type": name, "errno": err, "message": msg or str(e)}}
-
-
-def _raise_logged(result: Mapping[str, Any]) -> None:
-    e = result["error"]
-    cls = _ERRORS.get(e["type"], OSError)
-    if issubclass(cls, OSError) and e.get("errno") is not None:
-        raise cls(e["errno"], e["message"])
-    raise cls(e["message"])
-
-
 # --------------------------------------------------------------------------- snapshot
 
 
@@ -337,20 +322,8 @@ class Sandbox:
 
     def _file_op(self, op: str, args: dict[str, Any], run: Any, encode: Any, decode: Any,
                  *, allow_paused: bool) -> Any:
-        key = op_key(op, args)
         with self._op(allow_paused=allow_paused):
-            hit = self._oplog.replayed(op, key, args)
-            if hit is not None:
-                if "error" in hit.result:
-                    _raise_logged(hit.result)
-                return decode(hit.result)
-            try:
-                value = run()
-            except (OSError, SandboxPathError) as e:
-                self._oplog.append(op, key, args, _error_result(e))
-                raise
-            self._oplog.append(op, key, args, encode(value))
-            return value
+            return self._oplog.once(op, args, run, encode, decode, errors=_ERRORS)
 
     def read_file(self, path: str | os.PathLike[str]) -> bytes:
         """The bytes of a file in the sandbox (at most `limits.file_bytes`)."""
