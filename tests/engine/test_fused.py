@@ -94,13 +94,16 @@ def test_fast_decode_samples_what_transformers_forward_does(
         np.testing.assert_allclose(fast[i].logprobs, ref.numpy(), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_fast_step_logits_equal_a_full_forward(tiny: Any, packed: bool) -> None:
+@pytest.mark.parametrize(("packed", "attention"),
+                         [(True, "kernel"), (False, "kernel"), (True, "sdpa")])
+def test_fast_step_logits_equal_a_full_forward(tiny: Any, packed: bool, attention: Any) -> None:
     """One decode step's logits, packed oneDNN weights or `F.linear` on the concatenated
-    ones, against transformers' forward over each whole sequence, padded rows included."""
+    ones, the attention kernel or SDPA, against transformers' forward over each whole
+    sequence, padded rows included."""
     if packed and not fused._onednn_ok(torch.float32):
         pytest.skip("oneDNN's packed linear is not available here")
-    decoder = fused.FastDecoder(tiny, packed=packed)
+    decoder = fused.FastDecoder(tiny, packed=packed, attention=attention)
+    assert (decoder.attention is None) == (attention == "sdpa")
     reqs = [SequenceRequest(tuple(p), SamplingParams(max_tokens=4), seed=i)
             for i, p in enumerate(PROMPTS)]
     batch = DecodeBatch(tiny, max_context=256, pad_id=151643)

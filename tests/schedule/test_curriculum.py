@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from tidal.run.checkpoint import RunState, load_state
-from tidal.schedule.curriculum import has_signal, record_groups, sample_batch, task_weight
+from tidal.schedule.curriculum import (
+    family_weights,
+    has_signal,
+    record_groups,
+    sample_batch,
+    task_weight,
+)
 
 
 def test_signal_is_a_difference_of_rewards() -> None:
@@ -72,6 +78,51 @@ def test_balanced_spreads_each_batch_over_the_families() -> None:
                                families=fams)) == sorted(tasks)
     with pytest.raises(ValueError, match="families"):
         sample_batch(rng, tasks, tasks, 3, sampling="balanced", signal={})
+
+
+def test_family_weights_pool_the_tasks_evidence() -> None:
+    ids = ["a0", "a1", "b0", "b1", "c0"]
+    fams = ["a", "a", "b", "b", "c"]
+    signal = {"a0": (3, 3), "a1": (1, 1), "b0": (4, 0), "b1": (2, 0), "zz": (9, 9)}
+    assert family_weights(ids, fams, signal) == pytest.approx(
+        {"a": 5 / 6, "b": 1 / 8, "c": 1 / 2})  # pooled; unseen c at the prior; zz not ours
+
+
+def test_informative_families_favour_skills_still_learning() -> None:
+    fams = ["solved"] * 10 + ["learning"] * 10 + ["hopeless"] * 10 + ["new"] * 2
+    tasks = [f"{f}{i}" for i, f in enumerate(fams)]
+    signal = {**{f"solved{i}": (2, 0) for i in range(5)},        # 10 groups, none differed
+              **{f"learning{i}": (2, 2) for i in range(10, 15)},  # 10 groups, all differed
+              **{f"hopeless{i}": (1, 0) for i in range(20, 30)}}  # 10 groups, none differed
+    rng = random.Random(0)
+    counts: Counter[str] = Counter()
+    for _ in range(1000):
+        batch = sample_batch(rng, tasks, tasks, 6, sampling="informative_families",
+                             signal=signal, families=fams)
+        assert len(set(batch)) == 6
+        counts.update(t.rstrip("0123456789") for t in batch)
+    # weights 11/12 (learning), 1/2 (new, 2 tasks), 1/12 (solved, hopeless): still drawn
+    assert counts["learning"] > 4 * counts["solved"] and counts["solved"] > 0
+    assert counts["hopeless"] > 0 and counts["new"] > counts["solved"]
+    assert abs(counts["solved"] - counts["hopeless"]) < 0.4 * counts["solved"]
+    # each batch within one slot of the families' shares (systematic sampling)
+    for _ in range(200):
+        per = Counter(t.rstrip("0123456789") for t in sample_batch(
+            rng, tasks, tasks, 6, sampling="informative_families", signal=signal,
+            families=fams))
+        assert per["learning"] in (3, 4) and per["new"] in (1, 2)  # shares 3.47, 1.89
+    # without evidence: one task of each family, as balanced
+    for _ in range(20):
+        batch = sample_batch(rng, tasks, tasks, 4, sampling="informative_families",
+                             signal={}, families=fams)
+        assert sorted(t.rstrip("0123456789") for t in batch) == [
+            "hopeless", "learning", "new", "solved"]
+    # a family that runs out leaves the draw to the others
+    batch = sample_batch(rng, tasks, tasks, 32, sampling="informative_families", signal={},
+                         families=fams)
+    assert sorted(batch) == sorted(tasks)
+    with pytest.raises(ValueError, match="families"):
+        sample_batch(rng, tasks, tasks, 3, sampling="informative_families", signal={})
 
 
 def test_bad_sampling_name() -> None:

@@ -11,8 +11,10 @@ the same dot product as before), every linear layer's weight is packed once for 
 matmul (`torch.ops.mkldnn._linear_pointwise`: at 16 rows the step's linear layers take
 ~55 ms instead of ~100 with `F.linear`'s MKL sgemm on a 2-core AVX2 machine, the LM head
 2.5x faster), the norms are `F.rms_norm` (one kernel, not six), rotary is applied to q and
-k in one go, the mask is built once per step, and SDPA reads the grouped KV heads as they
-are (`enable_gqa=True`, with or without a mask). The KV cache is the batch's own
+k in one go, the mask is built once per step, and the attention reads each grouped KV
+head once for the query heads that share it (`tidal.engine.decode_attention`, a C++
+kernel built on first use; where it cannot be built, SDPA with `enable_gqa=True`, with or
+without a mask, reads the grouped heads as they are). The KV cache is the batch's own
 (`GrowingLayer`s of a `DynamicCache`), written through `update`, so prefill (still
 transformers' forward), merging, trimming and the prefix cache are untouched.
 
@@ -21,7 +23,8 @@ Numerics: the standard engine's float noise, not bit-identity. Without the packi
 transformers forward's bit for bit, for the tiny model and SmolLM2-135M (each output is
 the same dot product, in the same kernel); oneDNN's kernel sums in another order than
 MKL's, which moved SmolLM2's logprobs by up to 3e-5 (30 layers) and the tiny model's by
-3e-6, the same tokens. The consistent batch (`consistent_batch.py`) never comes here.
+3e-6, the same tokens; the attention kernel sums in another order than SDPA (within ~1e-6
+of it). The consistent batch (`consistent_batch.py`) never comes here.
 
 Weights: the fused and packed copies are derived from the model's parameters, so they go
 stale when the parameters change. `fast_decoder(model)` (the only way the batch gets one)
@@ -50,10 +53,13 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.nn.functional import linear, rms_norm, scaled_dot_product_attention, silu
+
+from tidal.engine import decode_attention
+from tidal.engine.decode_attention import Kernel
 
 SUPPORTED = frozenset({"llama", "qwen2", "mistral"})
 # their norms: weight * (x * rsqrt(mean(x^2) + variance_epsilon)), computed in fp32
@@ -167,9 +173,12 @@ def _onednn_ok(dtype: torch.dtype) -> bool:
 class FastDecoder:
     """The decode step of a supported model (`unsupported(model) is None`) over the
     batch's `GrowingLayer` KV cache, with fused (and, in fp32 with oneDNN, packed)
-    weights. Get one through `fast_decoder(model)`, which keeps it fresh."""
+    weights. Get one through `fast_decoder(model)`, which keeps it fresh. `attention`:
+    "kernel" (`tidal.engine.decode_attention`; an error where it cannot be built), "sdpa",
+    or None for the kernel where it builds and the weights are fp32, else SDPA."""
 
-    def __init__(self, model: Any, *, packed: bool | None = None) -> None:
+    def __init__(self, model: Any, *, packed: bool | None = None,
+                 attention: Literal["kernel", "sdpa"] | None = None) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"no fast decode step: {why}")
@@ -184,6 +193,12 @@ class FastDecoder:
         dtype = next(model.parameters()).dtype
         self.packed = _onednn_ok(dtype) if packed is None else packed
         self.fused_norm = dtype == torch.float32
+        # None: the kernel where it builds (fp32 only), else SDPA
+        self.attention: Kernel | None = None
+        if attention == "kernel" or (attention is None and dtype == torch.float32):
+            self.attention = decode_attention.kernel()
+            if self.attention is None and attention == "kernel":
+                raise ValueError("no decode-attention kernel here (see the warning)")
         self._params: list[torch.Tensor] = []
         self._stamp: list[tuple[int, int]] = []
         self.layers: list[_Layer] = []
@@ -268,8 +283,10 @@ class FastDecoder:
         h = inner.embed_tokens(ids)  # [B, hidden]
         cos, sin = inner.rotary_emb(h, positions[:, None])  # [B, 1, D]
         half = D // 2
-        allowed = None if bool(mask.all()) else mask.bool()[:, None, None, :]
+        allowed = None if bool(mask.all()) else mask.bool()
+        allowed_4d = None if allowed is None else allowed[:, None, None, :]
         gqa = H != KV
+        kernel = self.attention
         norm = self._norm
         for layer, kv in zip(self.layers, kv_layers, strict=True):
             qkv = layer.qkv(norm(layer.norm1, h))
@@ -279,9 +296,12 @@ class FastDecoder:
             qk = (qk * cos) + (rotated * sin)
             v = qkv[:, (H + KV) * D :].view(B, KV, 1, D)
             keys, values = kv.update(qk[:, H:, None, :], v)
-            a = scaled_dot_product_attention(qk[:, :H, None, :], keys, values,
-                                               attn_mask=allowed, scale=layer.scaling,
-                                               enable_gqa=gqa)
+            if kernel is not None:
+                a = kernel(qk[:, :H], keys, values, allowed, layer.scaling)
+            else:
+                a = scaled_dot_product_attention(qk[:, :H, None, :], keys, values,
+                                                 attn_mask=allowed_4d, scale=layer.scaling,
+                                                 enable_gqa=gqa)
             h = h + layer.o(a.reshape(B, H * D))
             gu = layer.gate_up(norm(layer.norm2, h))
             h = h + layer.down(silu(gu[:, :inter]) * gu[:, inter:])

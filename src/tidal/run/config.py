@@ -213,10 +213,11 @@ class RolloutConfig(_Section):
         ("write_file", "finish"),
         description="tools offered to the agent (and in the warm start's demonstrations)",
     )
-    task_sampling: Literal["uniform", "informative", "balanced"] = Field(
+    task_sampling: Literal["uniform", "informative", "balanced", "informative_families"] = Field(
         "informative",
         description="which training tasks a batch rolls out: uniformly, favouring tasks "
-        "whose groups' rewards differed, or spread over the task families (docs/config.md)",
+        "whose groups' rewards differed, spread over the task families, or favouring the "
+        "families whose groups' rewards differed (docs/config.md)",
     )
     dynamic_sampling: int = Field(
         0, ge=0, description="DAPO's dynamic sampling: a task group whose samples all "

@@ -451,7 +451,7 @@ def rl_phase(parts: Parts, state: RunState) -> tuple[RunState, list[str], dict[s
             trees = batch_trees(parts, batch)
             metrics = parts.train(trees, state.step + 1)
             t_train = time.perf_counter() - t1
-            state = state.advance(**_stepped(state, batch))
+            state = state.advance(**_stepped(state, batch, TRAIN_REWARDS[cfg.rl.reward]))
             sync_s = parts.sync_engine(state.policy_version)
             state = parts.checkpoint(state)
             queue.trained(batch)  # what it trained is safe: nothing left to resume
@@ -517,15 +517,18 @@ def rollout_queue(parts: Parts, state: RunState) -> tuple[RolloutQueue, list[Liv
     return queue, resumed
 
 
-def _stepped(state: RunState, batch: Batch) -> dict[str, Any]:
-    """What a trained batch changes in the run's state."""
+def _stepped(state: RunState, batch: Batch, reward: Callable[[float], float]) -> dict[str, Any]:
+    """What a trained batch changes in the run's state. The task statistics count a
+    group's rewards as trained (`reward`: rl.reward), so a group that differs only in
+    partial credit has no signal under `rl.reward = "success"`."""
     return {
         "step": state.step + 1, "policy_version": state.policy_version + 1,
         "trained_sessions": (*state.trained_sessions, *batch.sessions),
         "dropped_sessions": tuple(dict.fromkeys((*state.dropped_sessions,
                                                  *batch.untrained))),
         "sessions": state.sessions + len(batch.sessions),
-        "task_signal": record_groups(state.task_signal, batch.group_rewards),
+        "task_signal": record_groups(state.task_signal, [
+            (task_id, [reward(r) for r in rewards]) for task_id, rewards in batch.group_rewards]),
     }
 
 
