@@ -14,7 +14,8 @@ ahead (`-O3 -march=native -ffast-math -fopenmp`; exponentials by glibc's vector 
 Numerics: fp32 throughout, summed in another order than SDPA's (within ~1e-6 of it on
 the shapes tested); the consistent batch never comes here.
 
-Building needs a C++ compiler and ninja (torch.utils.cpp_extension); the build (~1 min) is
+Building needs a C++ compiler and ninja (torch.utils.cpp_extension; the `ninja` wheel is a
+dependency, used where the machine has no ninja of its own); the build (~1 min) is
 cached under torch's extensions directory, keyed by the source, the flags and this CPU's
 instruction sets, and one process builds while the others wait. Where it cannot be built,
 or disagrees with SDPA on a check at load, `kernel()` is None, says why once (a warning),
@@ -24,7 +25,9 @@ and the decode step uses SDPA.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import shutil
 import threading
 import warnings
 from collections.abc import Callable
@@ -83,6 +86,15 @@ def _check(fn: Kernel) -> str | None:
     return None
 
 
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH: the `ninja` wheel's binary (a dependency)
+    where the machine has none, e.g. a venv's bin that is not on PATH."""
+    if shutil.which("ninja") is None:
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def kernel() -> Kernel | None:
     """The built kernel, or None where it cannot be built or checked (said once)."""
     with _LOCK:
@@ -96,6 +108,7 @@ def _build() -> Kernel | None:
     try:
         from torch.utils.cpp_extension import load
 
+        _ninja_on_path()
         module = load(name=_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
                       extra_ldflags=["-lm", "-fopenmp"], verbose=False)
         fn: Kernel = module.decode_attention
