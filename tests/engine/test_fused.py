@@ -94,16 +94,20 @@ def test_fast_decode_samples_what_transformers_forward_does(
         np.testing.assert_allclose(fast[i].logprobs, ref.numpy(), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize(("packed", "attention"),
-                         [(True, "kernel"), (False, "kernel"), (True, "sdpa")])
-def test_fast_step_logits_equal_a_full_forward(tiny: Any, packed: bool, attention: Any) -> None:
+@pytest.mark.parametrize(("packed", "attention", "small_ops"),
+                         [(True, "kernel", "fused"), (False, "kernel", "fused"),
+                          (True, "sdpa", "fused"), (True, "kernel", "torch"),
+                          (False, "sdpa", "torch")])
+def test_fast_step_logits_equal_a_full_forward(tiny: Any, packed: bool, attention: Any,
+                                               small_ops: Any) -> None:
     """One decode step's logits, packed oneDNN weights or `F.linear` on the concatenated
-    ones, the attention kernel or SDPA, against transformers' forward over each whole
-    sequence, padded rows included."""
+    ones, the attention kernel or SDPA, the fused small ops or torch's, against
+    transformers' forward over each whole sequence, padded rows included."""
     if packed and not fused._onednn_ok(torch.float32):
         pytest.skip("oneDNN's packed linear is not available here")
-    decoder = fused.FastDecoder(tiny, packed=packed, attention=attention)
+    decoder = fused.FastDecoder(tiny, packed=packed, attention=attention, small_ops=small_ops)
     assert (decoder.attention is None) == (attention == "sdpa")
+    assert (decoder.glue is None) == (small_ops == "torch")
     reqs = [SequenceRequest(tuple(p), SamplingParams(max_tokens=4), seed=i)
             for i, p in enumerate(PROMPTS)]
     batch = DecodeBatch(tiny, max_context=256, pad_id=151643)
@@ -196,3 +200,15 @@ def test_sampling_shortcuts_change_no_bit() -> None:
     mixed = sample_tokens(lp, torch.tensor([False, True, False, False]), gens)
     assert mixed[1] == lp[1].argmax()
     assert torch.equal(tokens[[0, 2, 3]], mixed[[0, 2, 3]])
+
+
+def test_rotary_table_is_the_models_rotary(tiny: Any) -> None:
+    """The decode step reads rotary's cos and sin from a table the model's rotary embedding
+    made once, grown past its first 1024 positions when a row gets there."""
+    decoder = fused.FastDecoder(tiny)
+    positions = torch.tensor([0, 5, 1023, 1024, 3000, 7])
+    h = torch.zeros(len(positions), 1, int(tiny.config.hidden_size))
+    cos_ref, sin_ref = tiny.model.rotary_emb(h, positions[:, None])
+    cos, sin = decoder._cos_sin(positions)
+    torch.testing.assert_close(cos, cos_ref[:, 0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, sin_ref[:, 0], rtol=1e-6, atol=1e-6)

@@ -270,8 +270,133 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k,
   return out;
 }
 
+// ---- the decode step's small ops, each one pass instead of several torch ops --------------
+//
+// At 16 rows these are tiny ([16, 576] and the like): through torch each is several kernels
+// (F.rms_norm on CPU is pow, mean, add, rsqrt, mul, mul), each with its dispatch and
+// allocation. Rows run in parallel where there are enough of them; the sums are fp32 in
+// another order than torch's (float noise, as the attention's).
+
+// y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, for the rows of x [N, C]; with `delta`, x is
+// first updated in place: x += delta (the residual add before the norm).
+void norm_rows(float* x, const float* delta, const float* w, float* y, int64_t N, int64_t C,
+               float eps) {
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * C;
+      if (delta) {
+        const float* dr = delta + r * C;
+#pragma omp simd
+        for (int64_t j = 0; j < C; ++j) xr[j] += dr[j];
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < C; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
+      float* yr = y + r * C;
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) yr[j] = w[j] * (xr[j] * inv);
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              what, ": a contiguous float32 [N, C] tensor");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "rms_norm: x");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.is_contiguous() &&
+                  w.size(0) == x.size(1),
+              "rms_norm: the weight must be a contiguous float32 [C]");
+  torch::Tensor y = torch::empty_like(x);
+  // the input is only read without a delta
+  norm_rows(const_cast<float*>(x.data_ptr<float>()), nullptr, w.data_ptr<float>(),
+            y.data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps));
+  return y;
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, const torch::Tensor& delta, const torch::Tensor& w,
+                           double eps) {
+  check_rows(x, "add_rms_norm: x");
+  check_rows(delta, "add_rms_norm: delta");
+  TORCH_CHECK(delta.sizes() == x.sizes(), "add_rms_norm: delta must have x's shape");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.is_contiguous() &&
+                  w.size(0) == x.size(1),
+              "add_rms_norm: the weight must be a contiguous float32 [C]");
+  torch::Tensor y = torch::empty_like(x);
+  norm_rows(x.data_ptr<float>(), delta.data_ptr<float>(), w.data_ptr<float>(),
+            y.data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps));
+  return y;
+}
+
+// The fused q/k/v projection's output [B, (H + 2 KV) D] split into q [B, H, D] and k, v
+// [B, KV, 1, D], rotary applied to q and k (transformers' rotate-half form: cos and sin
+// [B, D], their two halves equal).
+std::vector<torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Tensor& cos,
+                                      const torch::Tensor& sin, int64_t H, int64_t KV) {
+  check_rows(qkv, "rope_split: qkv");
+  check_rows(cos, "rope_split: cos");
+  check_rows(sin, "rope_split: sin");
+  const int64_t B = qkv.size(0), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.size(0) == B && sin.sizes() == cos.sizes(),
+              "rope_split: cos and sin must be [B, D] with D even");
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KV) * D, "rope_split: qkv must be [B, (H + 2 KV) D]");
+  torch::Tensor q = torch::empty({B, H, D}, qkv.options());
+  torch::Tensor k = torch::empty({B, KV, 1, D}, qkv.options());
+  torch::Tensor v = torch::empty({B, KV, 1, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const int64_t W = qkv.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = src + b * W;
+    const float* c = cp + b * D;
+    const float* s = sp + b * D;
+    for (int64_t hd = 0; hd < H + KV; ++hd) {
+      const float* x = row + hd * D;
+      float* o = hd < H ? qp + (b * H + hd) * D : kp + (b * KV + hd - H) * D;
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        o[j] = x[j] * c[j] - x[j + half] * s[j];
+        o[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
+      }
+    }
+    std::copy(row + (H + KV) * D, row + W, vp + b * KV * D);
+  }
+  return {q, k, v};
+}
+
+// silu(gu[:, :I]) * gu[:, I:] for the fused gate/up projection's output [B, 2 I].
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  check_rows(gu, "silu_mul: gu");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: gu must be [B, 2 I]");
+  const int64_t B = gu.size(0), I = gu.size(1) / 2;
+  torch::Tensor out = torch::empty({B, I}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* gate = g + b * 2 * I;
+      const float* up = gate + I;
+      float* ob = o + b * I;
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) ob[j] = gate[j] / (1.f + expf(-gate[j])) * up[j];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "grouped-query decode attention (see the file)");
+  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w over rows");
+  m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then rms_norm(x)");
+  m.def("rope_split", &rope_split, "q, k, v of a fused projection, rotary on q and k");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection");
 }

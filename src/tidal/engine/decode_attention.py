@@ -1,5 +1,5 @@
-"""A decode step's attention that reads each grouped KV head once: a small C++ kernel
-(`decode_attention.cpp`), built for this machine on first use.
+"""A decode step's attention that reads each grouped KV head once, and the step's small ops
+fused: a small C++ extension (`decode_attention.cpp`), built for this machine on first use.
 
 Why: at batch 16 and 800 tokens of context, SmolLM2-135M's decode step reads ~590 MB of
 fp32 keys and values (30 layers, 3 KV heads of 64). SDPA's CPU kernel read them at ~7
@@ -11,8 +11,13 @@ keys, then one pass over its values, in AVX2/FMA loops with every cache line pre
 ahead (`-O3 -march=native -ffast-math -fopenmp`; exponentials by glibc's vector `expf`):
 ~48 ms. Figures: docs/engine.md, "The fast decode step".
 
-Numerics: fp32 throughout, summed in another order than SDPA's (within ~1e-6 of it on
-the shapes tested); the consistent batch never comes here.
+The step's small ops (`glue()`, a `Glue`): the RMS norm, with the residual add before it
+fused in; rotary on q and k with the fused q/k/v projection split in the same pass; and
+silu(gate) * up. Through torch, each was several kernels at 16 rows (`F.rms_norm` on CPU
+is six), each with its dispatch and allocation.
+
+Numerics: fp32 throughout, summed in another order than SDPA's and torch's (within ~1e-6
+of them on the shapes tested); the consistent batch never comes here.
 
 Building needs a C++ compiler and ninja (torch.utils.cpp_extension; the `ninja` wheel is a
 dependency, used where the machine has no ninja of its own); the build (~1 min) is
@@ -31,7 +36,9 @@ import shutil
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,8 +49,26 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float],
                   torch.Tensor]
 
+
+
+@dataclass(frozen=True)
+class Glue:
+    """The decode step's small ops, fp32 and row-major (see the module's docstring)."""
+
+    # (x [N, C], w [C], eps) -> x * rsqrt(mean(x^2) + eps) * w, row by row
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (x, delta, w, eps): x += delta in place, then rms_norm(x, w, eps)
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (qkv [B, (H + 2 KV) D], cos [B, D], sin [B, D], H, KV) -> q [B, H, D] and k, v
+    # [B, KV, 1, D], rotary (rotate-half) applied to q and k
+    rope_split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+                         list[torch.Tensor]]
+    # gu [B, 2 I] -> silu(gu[:, :I]) * gu[:, I:]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
 _LOCK = threading.Lock()
-_BUILT: dict[str, Kernel | None] = {}
+_BUILT: dict[str, Any] = {}
 
 
 def _cpu_flags() -> str:
@@ -95,28 +120,86 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def glue_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                   kv_heads: int) -> list[torch.Tensor]:
+    """`Glue.rope_split` through torch (transformers' apply_rotary_pos_emb)."""
+    B, D = qkv.shape[0], cos.shape[1]
+    qk = qkv[:, : (heads + kv_heads) * D].reshape(B, heads + kv_heads, D)
+    rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)
+    qk = qk * cos[:, None] + rotated * sin[:, None]
+    v = qkv[:, (heads + kv_heads) * D :].reshape(B, kv_heads, 1, D)
+    return [qk[:, :heads], qk[:, heads:, None], v]
+
+
+def _check_glue(ops: Glue) -> str | None:
+    """Why `ops` cannot stand in for torch's ops (None: they can), on small cases."""
+    gen = torch.Generator().manual_seed(0)
+    x, d, w = (torch.randn(5, 24, generator=gen) for _ in range(3))
+    w = w[0].contiguous()
+    want = torch.nn.functional.rms_norm(x + d, (24,), w, 1e-5)
+    got = [ops.rms_norm(x + d, w, 1e-5), ops.add_rms_norm(x.clone(), d, w, 1e-5)]
+    qkv = torch.randn(3, (4 + 2 * 2) * 8, generator=gen)
+    angles = torch.randn(3, 4, generator=gen).repeat(1, 2)
+    pairs = list(zip(ops.rope_split(qkv, angles.cos(), angles.sin(), 4, 2),
+                     glue_reference(qkv, angles.cos(), angles.sin(), 4, 2), strict=True))
+    gu = torch.randn(3, 20, generator=gen)
+    pairs += [(g, want) for g in got]
+    pairs.append((ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :10]) * gu[:, 10:]))
+    for got_t, want_t in pairs:
+        if got_t.shape != want_t.shape or not torch.allclose(got_t, want_t, rtol=1e-5,
+                                                            atol=1e-5):
+            return "its small ops differ from torch's"
+    return None
+
+
 def kernel() -> Kernel | None:
-    """The built kernel, or None where it cannot be built or checked (said once)."""
+    """The built attention kernel, or None where it cannot be built or checked (said
+    once)."""
     with _LOCK:
-        if "fn" not in _BUILT:
-            _BUILT["fn"] = _build()
-        return _BUILT["fn"]
+        if "attention" not in _BUILT:
+            module, why = _module()
+            fn: Kernel | None = None if module is None else module.decode_attention
+            _BUILT["attention"] = _usable(fn, why or (None if fn is None else _check(fn)),
+                                          "decode steps use SDPA")
+        return _BUILT["attention"]
 
 
-def _build() -> Kernel | None:
-    why: str | None
+def glue() -> Glue | None:
+    """The built small ops, or None where they cannot be built or checked (said once)."""
+    with _LOCK:
+        if "glue" not in _BUILT:
+            module, why = _module()
+            ops = None if module is None else Glue(module.rms_norm, module.add_rms_norm,
+                                                   module.rope_split, module.silu_mul)
+            _BUILT["glue"] = _usable(ops, why or (None if ops is None else _check_glue(ops)),
+                                     "the decode step uses torch's small ops")
+        return _BUILT["glue"]
+
+
+def _usable(made: Any, why: str | None, instead: str) -> Any:
+    """`made`, or None with a warning saying why (`why` set) and what runs `instead`."""
+    if why:
+        warnings.warn(f"tidal.engine.decode_attention: {instead}: {why}", RuntimeWarning,
+                      stacklevel=4)
+        return None
+    return made
+
+
+def _module() -> tuple[Any, str | None]:
+    """The extension module, built on the first call (None where it could not be, and
+    why); the caller holds `_LOCK`."""
+    if "module" not in _BUILT:
+        _BUILT["module"] = _build()
+    return _BUILT["module"]
+
+
+def _build() -> tuple[Any, str | None]:
+    """The built extension module (None where it could not be built, and why)."""
     try:
         from torch.utils.cpp_extension import load
 
         _ninja_on_path()
-        module = load(name=_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                      extra_ldflags=["-lm", "-fopenmp"], verbose=False)
-        fn: Kernel = module.decode_attention
-        why = _check(fn)
+        return load(name=_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                    extra_ldflags=["-lm", "-fopenmp"], verbose=False), None
     except (OSError, RuntimeError, ImportError, ValueError) as e:  # no compiler, no ninja
-        why = f"it could not be built ({type(e).__name__}: {str(e).strip()[:300]})"
-    if why is None:
-        return fn
-    warnings.warn(f"tidal.engine.decode_attention: decode steps use SDPA: {why}",
-                  RuntimeWarning, stacklevel=3)
-    return None
+        return None, f"it could not be built ({type(e).__name__}: {str(e).strip()[:300]})"

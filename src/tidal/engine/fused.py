@@ -10,21 +10,25 @@ are one matmul each (weights concatenated along the output dimension, so each ou
 the same dot product as before), every linear layer's weight is packed once for oneDNN's
 matmul (`torch.ops.mkldnn._linear_pointwise`: at 16 rows the step's linear layers take
 ~55 ms instead of ~100 with `F.linear`'s MKL sgemm on a 2-core AVX2 machine, the LM head
-2.5x faster), the norms are `F.rms_norm` (one kernel, not six), rotary is applied to q and
-k in one go, the mask is built once per step, and the attention reads each grouped KV
+2.5x faster), the mask is built once per step, and the attention reads each grouped KV
 head once for the query heads that share it (`tidal.engine.decode_attention`, a C++
 kernel built on first use; where it cannot be built, SDPA with `enable_gqa=True`, with or
-without a mask, reads the grouped heads as they are). The KV cache is the batch's own
+without a mask, reads the grouped heads as they are). The small ops between the matmuls
+are one op each from the same extension (`decode_attention.Glue`): the residual add with
+the RMS norm after it, rotary with the q/k/v split, silu(gate) x up; rotary's cos and sin
+come from a table made once (where the extension cannot be built, or the weights are not
+fp32: torch's ops, `F.rms_norm` and rotary on q and k in one go). The KV cache is the batch's own
 (`GrowingLayer`s of a `DynamicCache`), written through `update`, so prefill (still
 transformers' forward), merging, trimming and the prefix cache are untouched.
 
-Numerics: the standard engine's float noise, not bit-identity. Without the packing
-(`packed=False`: `F.linear` on the concatenated weights) the sampled logprobs were the
-transformers forward's bit for bit, for the tiny model and SmolLM2-135M (each output is
-the same dot product, in the same kernel); oneDNN's kernel sums in another order than
-MKL's, which moved SmolLM2's logprobs by up to 3e-5 (30 layers) and the tiny model's by
-3e-6, the same tokens; the attention kernel sums in another order than SDPA (within ~1e-6
-of it). The consistent batch (`consistent_batch.py`) never comes here.
+Numerics: the standard engine's float noise, not bit-identity. With torch's attention and
+small ops and without the packing (`packed=False`: `F.linear` on the concatenated
+weights) the sampled logprobs were the transformers forward's bit for bit, for the tiny
+model and SmolLM2-135M (each output is the same dot product, in the same kernel);
+oneDNN's kernel sums in another order than MKL's, which moved SmolLM2's logprobs by up to
+3e-5 (30 layers) and the tiny model's by 3e-6, the same tokens; the attention kernel and
+the small ops sum in another order than SDPA and torch (within ~1e-6 of them). The
+consistent batch (`consistent_batch.py`) never comes here.
 
 Weights: the fused and packed copies are derived from the model's parameters, so they go
 stale when the parameters change. `fast_decoder(model)` (the only way the batch gets one)
@@ -59,7 +63,7 @@ import torch
 from torch.nn.functional import linear, rms_norm, scaled_dot_product_attention, silu
 
 from tidal.engine import decode_attention
-from tidal.engine.decode_attention import Kernel
+from tidal.engine.decode_attention import Glue, Kernel
 
 SUPPORTED = frozenset({"llama", "qwen2", "mistral"})
 # their norms: weight * (x * rsqrt(mean(x^2) + variance_epsilon)), computed in fp32
@@ -111,6 +115,14 @@ class _Layer:
     gate_up: Linear
     down: Linear
     scaling: float
+
+
+def _rms_params(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """An RMS norm module's weight and epsilon (read each step: the module may be given
+    another weight)."""
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight, float(norm.variance_epsilon)  # type: ignore[arg-type]
 
 
 def unsupported(model: Any) -> str | None:
@@ -175,10 +187,14 @@ class FastDecoder:
     batch's `GrowingLayer` KV cache, with fused (and, in fp32 with oneDNN, packed)
     weights. Get one through `fast_decoder(model)`, which keeps it fresh. `attention`:
     "kernel" (`tidal.engine.decode_attention`; an error where it cannot be built), "sdpa",
-    or None for the kernel where it builds and the weights are fp32, else SDPA."""
+    or None for the kernel where it builds and the weights are fp32, else SDPA.
+    `small_ops`: the norms, rotary and the MLP's activation as one op each ("fused",
+    `decode_attention.Glue`; an error where they cannot be built) or through torch's ops
+    ("torch"); None: fused where they build and the weights are fp32."""
 
     def __init__(self, model: Any, *, packed: bool | None = None,
-                 attention: Literal["kernel", "sdpa"] | None = None) -> None:
+                 attention: Literal["kernel", "sdpa"] | None = None,
+                 small_ops: Literal["fused", "torch"] | None = None) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"no fast decode step: {why}")
@@ -199,6 +215,12 @@ class FastDecoder:
             self.attention = decode_attention.kernel()
             if self.attention is None and attention == "kernel":
                 raise ValueError("no decode-attention kernel here (see the warning)")
+        self.glue: Glue | None = None
+        if small_ops == "fused" or (small_ops is None and dtype == torch.float32):
+            self.glue = decode_attention.glue()
+            if self.glue is None and small_ops == "fused":
+                raise ValueError("no fused small ops here (see the warning)")
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, D]
         self._params: list[torch.Tensor] = []
         self._stamp: list[tuple[int, int]] = []
         self.layers: list[_Layer] = []
@@ -270,12 +292,61 @@ class FastDecoder:
         return [lin for layer in self.layers
                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary's cos and sin [B, D] at `positions` [B]: rows of a table the model's own
+        rotary embedding computed once for positions 0..P-1 (grown when a position passes
+        P), instead of a cos and a sin every step."""
+        inner = self.model.model
+        kind = str(getattr(inner.rotary_emb, "rope_type", "default"))
+        if "dynamic" in kind or kind == "longrope":  # inv_freq depends on the length seen
+            cos, sin = inner.rotary_emb(inner.embed_tokens.weight[:1], positions[:, None])
+            return cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        top = int(positions.max()) + 1
+        if self._rotary is None or self._rotary[0].shape[0] < top:
+            size = max(1024, 1 << (top - 1).bit_length())
+            probe = inner.embed_tokens.weight[:1]
+            cos, sin = inner.rotary_emb(probe, torch.arange(size)[None])
+            self._rotary = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self._rotary
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                kv_layers: Sequence[Any]) -> torch.Tensor:
         """Logits [B, V] of one decode step: row b's token `ids[b]` at position
         `positions[b]`, attending to the cache columns where `mask[b]` ([B, T], this step's
         column included) is nonzero. `kv_layers` are the cache's `GrowingLayer`s, whose
         `update` appends this step's keys and values (T - 1 columns before it)."""
+        assert self.lm_head is not None
+        if self.glue is None:
+            return self._decode_torch(ids, positions, mask, kv_layers)
+        glue, kernel = self.glue, self.attention
+        B, D, H, KV = ids.shape[0], self.head_dim, self.n_heads, self.n_kv
+        inner = self.model.model
+        h = inner.embed_tokens(ids)  # [B, hidden], the residual stream (updated in place)
+        cos, sin = self._cos_sin(positions)
+        allowed = None if bool(mask.all()) else mask.bool()
+        allowed_4d = None if allowed is None else allowed[:, None, None, :]
+        delta: torch.Tensor | None = None  # the last MLP's output, not yet added to h
+        for layer, kv in zip(self.layers, kv_layers, strict=True):
+            w, eps = _rms_params(layer.norm1)
+            x = glue.rms_norm(h, w, eps) if delta is None else glue.add_rms_norm(h, delta, w, eps)
+            q, k, v = glue.rope_split(layer.qkv(x), cos, sin, H, KV)
+            keys, values = kv.update(k, v)
+            if kernel is not None:
+                a = kernel(q, keys, values, allowed, layer.scaling)
+            else:
+                a = scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                                 attn_mask=allowed_4d, scale=layer.scaling,
+                                                 enable_gqa=H != KV)
+            x = glue.add_rms_norm(h, layer.o(a.reshape(B, H * D)), *_rms_params(layer.norm2))
+            delta = layer.down(glue.silu_mul(layer.gate_up(x)))
+        assert delta is not None
+        return self.lm_head(glue.add_rms_norm(h, delta, *_rms_params(inner.norm)))
+
+    def _decode_torch(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                      kv_layers: Sequence[Any]) -> torch.Tensor:
+        """`decode` through torch's ops, where the small ops are not built (or the weights
+        are not fp32)."""
         assert self.lm_head is not None
         B, D = ids.shape[0], self.head_dim
         H, KV, inter = self.n_heads, self.n_kv, self.intermediate
