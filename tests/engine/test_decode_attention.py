@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.engine.decode_attention import Glue, Kernel, glue, glue_reference, kernel, reference
+from tidal.engine.decode_attention import TORCH_GLUE, Glue, Kernel, glue, kernel, reference
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_rope_split_agrees_with_transformers_rotary(ops: Glue, heads: int, kv: i
     torch.testing.assert_close(q, q_want[:, :, 0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(k, k_want, rtol=1e-5, atol=1e-6)
     assert torch.equal(v, qkv[:, (heads + kv) * dim :].view(B, kv, 1, dim))
-    for got, want in zip([q, k, v], glue_reference(qkv, cos, sin, heads, kv), strict=True):
+    for got, want in zip([q, k, v], TORCH_GLUE.rope_split(qkv, cos, sin, heads, kv), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

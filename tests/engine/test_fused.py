@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.engine.reference import forward_logprobs
-from tidal.engine import fused
+from tidal.engine import decode_attention, fused
 from tidal.engine.base import SamplingParams, Weights
 from tidal.engine.batch import DecodeBatch, SequenceRequest, SequenceResult
 from tidal.engine.embedded import EmbeddedEngine
@@ -107,7 +107,7 @@ def test_fast_step_logits_equal_a_full_forward(tiny: Any, packed: bool, attentio
         pytest.skip("oneDNN's packed linear is not available here")
     decoder = fused.FastDecoder(tiny, packed=packed, attention=attention, small_ops=small_ops)
     assert (decoder.attention is None) == (attention == "sdpa")
-    assert (decoder.glue is None) == (small_ops == "torch")
+    assert (decoder.glue is decode_attention.TORCH_GLUE) == (small_ops == "torch")
     reqs = [SequenceRequest(tuple(p), SamplingParams(max_tokens=4), seed=i)
             for i, p in enumerate(PROMPTS)]
     batch = DecodeBatch(tiny, max_context=256, pad_id=151643)

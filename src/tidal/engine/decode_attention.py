@@ -120,9 +120,20 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def glue_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                   kv_heads: int) -> list[torch.Tensor]:
-    """`Glue.rope_split` through torch (transformers' apply_rotary_pos_emb)."""
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen2/Mistral RMSNorm (in fp32, cast back), op for op."""
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    return _rms_norm(x.add_(delta), w, eps)
+
+
+def _rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                kv_heads: int) -> list[torch.Tensor]:
+    """transformers' apply_rotary_pos_emb on q and k at once, and v as it is."""
     B, D = qkv.shape[0], cos.shape[1]
     qk = qkv[:, : (heads + kv_heads) * D].reshape(B, heads + kv_heads, D)
     rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)
@@ -131,20 +142,30 @@ def glue_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     return [qk[:, :heads], qk[:, heads:, None], v]
 
 
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    half = gu.shape[-1] // 2
+    return torch.nn.functional.silu(gu[:, :half]) * gu[:, half:]
+
+
+# The same ops through torch (any dtype): what the built ones must agree with, and what
+# the decode step runs where they cannot be built.
+TORCH_GLUE = Glue(_rms_norm, _add_rms_norm, _rope_split, _silu_mul)
+
+
 def _check_glue(ops: Glue) -> str | None:
     """Why `ops` cannot stand in for torch's ops (None: they can), on small cases."""
     gen = torch.Generator().manual_seed(0)
     x, d, w = (torch.randn(5, 24, generator=gen) for _ in range(3))
     w = w[0].contiguous()
-    want = torch.nn.functional.rms_norm(x + d, (24,), w, 1e-5)
+    want = TORCH_GLUE.rms_norm(x + d, w, 1e-5)
     got = [ops.rms_norm(x + d, w, 1e-5), ops.add_rms_norm(x.clone(), d, w, 1e-5)]
     qkv = torch.randn(3, (4 + 2 * 2) * 8, generator=gen)
     angles = torch.randn(3, 4, generator=gen).repeat(1, 2)
     pairs = list(zip(ops.rope_split(qkv, angles.cos(), angles.sin(), 4, 2),
-                     glue_reference(qkv, angles.cos(), angles.sin(), 4, 2), strict=True))
+                     TORCH_GLUE.rope_split(qkv, angles.cos(), angles.sin(), 4, 2), strict=True))
     gu = torch.randn(3, 20, generator=gen)
     pairs += [(g, want) for g in got]
-    pairs.append((ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :10]) * gu[:, 10:]))
+    pairs.append((ops.silu_mul(gu), TORCH_GLUE.silu_mul(gu)))
     for got_t, want_t in pairs:
         if got_t.shape != want_t.shape or not torch.allclose(got_t, want_t, rtol=1e-5,
                                                             atol=1e-5):

@@ -16,15 +16,17 @@ kernel built on first use; where it cannot be built, SDPA with `enable_gqa=True`
 without a mask, reads the grouped heads as they are). The small ops between the matmuls
 are one op each from the same extension (`decode_attention.Glue`): the residual add with
 the RMS norm after it, rotary with the q/k/v split, silu(gate) x up; rotary's cos and sin
-come from a table made once (where the extension cannot be built, or the weights are not
-fp32: torch's ops, `F.rms_norm` and rotary on q and k in one go). The KV cache is the batch's own
+come from a table made once. Where the extension cannot be built, or the weights are not
+fp32, the same loop runs the same ops through torch (`decode_attention.TORCH_GLUE`:
+transformers' RMSNorm and rotary, op for op). The KV cache is the batch's own
 (`GrowingLayer`s of a `DynamicCache`), written through `update`, so prefill (still
 transformers' forward), merging, trimming and the prefix cache are untouched.
 
-Numerics: the standard engine's float noise, not bit-identity. With torch's attention and
-small ops and without the packing (`packed=False`: `F.linear` on the concatenated
-weights) the sampled logprobs were the transformers forward's bit for bit, for the tiny
-model and SmolLM2-135M (each output is the same dot product, in the same kernel);
+Numerics: the standard engine's float noise, not bit-identity. Before the attention kernel,
+the fused small ops and rotary's table, and without the packing (`packed=False`:
+`F.linear` on the concatenated weights), the sampled logprobs were the transformers
+forward's bit for bit, for the tiny model and SmolLM2-135M (each output is the same dot
+product, in the same kernel);
 oneDNN's kernel sums in another order than MKL's, which moved SmolLM2's logprobs by up to
 3e-5 (30 layers) and the tiny model's by 3e-6, the same tokens; the attention kernel and
 the small ops sum in another order than SDPA and torch (within ~1e-6 of them). The
@@ -60,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.nn.functional import linear, rms_norm, scaled_dot_product_attention, silu
+from torch.nn.functional import linear, scaled_dot_product_attention
 
 from tidal.engine import decode_attention
 from tidal.engine.decode_attention import Glue, Kernel
@@ -208,19 +210,22 @@ class FastDecoder:
         self.intermediate = int(inner.layers[0].mlp.gate_proj.out_features)
         dtype = next(model.parameters()).dtype
         self.packed = _onednn_ok(dtype) if packed is None else packed
-        self.fused_norm = dtype == torch.float32
         # None: the kernel where it builds (fp32 only), else SDPA
         self.attention: Kernel | None = None
         if attention == "kernel" or (attention is None and dtype == torch.float32):
             self.attention = decode_attention.kernel()
             if self.attention is None and attention == "kernel":
                 raise ValueError("no decode-attention kernel here (see the warning)")
-        self.glue: Glue | None = None
+        built = None
         if small_ops == "fused" or (small_ops is None and dtype == torch.float32):
-            self.glue = decode_attention.glue()
-            if self.glue is None and small_ops == "fused":
+            built = decode_attention.glue()
+            if built is None and small_ops == "fused":
                 raise ValueError("no fused small ops here (see the warning)")
+        self.glue: Glue = built or decode_attention.TORCH_GLUE
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, D]
+        # rope types whose frequencies depend on the length seen compute cos/sin each step
+        kind = str(getattr(inner.rotary_emb, "rope_type", "default"))
+        self._rotary_table = "dynamic" not in kind and kind != "longrope"
         self._params: list[torch.Tensor] = []
         self._stamp: list[tuple[int, int]] = []
         self.layers: list[_Layer] = []
@@ -279,13 +284,6 @@ class FastDecoder:
         self._params = self._sources()
         self._stamp = self._stamp_of(self._params)
 
-    def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm module on x: `F.rms_norm` in fp32 (one kernel instead of
-        six ops; the same bits on the machine measured), the module itself otherwise."""
-        if self.fused_norm:
-            return rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
-        return module(x)
-
     def linears(self) -> list[Linear]:
         """Every linear layer a decode step runs, in order (for benchmarks)."""
         assert self.lm_head is not None
@@ -297,8 +295,7 @@ class FastDecoder:
         rotary embedding computed once for positions 0..P-1 (grown when a position passes
         P), instead of a cos and a sin every step."""
         inner = self.model.model
-        kind = str(getattr(inner.rotary_emb, "rope_type", "default"))
-        if "dynamic" in kind or kind == "longrope":  # inv_freq depends on the length seen
+        if not self._rotary_table:
             cos, sin = inner.rotary_emb(inner.embed_tokens.weight[:1], positions[:, None])
             return cos[:, 0].contiguous(), sin[:, 0].contiguous()
         top = int(positions.max()) + 1
@@ -317,8 +314,6 @@ class FastDecoder:
         column included) is nonzero. `kv_layers` are the cache's `GrowingLayer`s, whose
         `update` appends this step's keys and values (T - 1 columns before it)."""
         assert self.lm_head is not None
-        if self.glue is None:
-            return self._decode_torch(ids, positions, mask, kv_layers)
         glue, kernel = self.glue, self.attention
         B, D, H, KV = ids.shape[0], self.head_dim, self.n_heads, self.n_kv
         inner = self.model.model
@@ -342,41 +337,6 @@ class FastDecoder:
             delta = layer.down(glue.silu_mul(layer.gate_up(x)))
         assert delta is not None
         return self.lm_head(glue.add_rms_norm(h, delta, *_rms_params(inner.norm)))
-
-    def _decode_torch(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                      kv_layers: Sequence[Any]) -> torch.Tensor:
-        """`decode` through torch's ops, where the small ops are not built (or the weights
-        are not fp32)."""
-        assert self.lm_head is not None
-        B, D = ids.shape[0], self.head_dim
-        H, KV, inter = self.n_heads, self.n_kv, self.intermediate
-        inner = self.model.model
-        h = inner.embed_tokens(ids)  # [B, hidden]
-        cos, sin = inner.rotary_emb(h, positions[:, None])  # [B, 1, D]
-        half = D // 2
-        allowed = None if bool(mask.all()) else mask.bool()
-        allowed_4d = None if allowed is None else allowed[:, None, None, :]
-        gqa = H != KV
-        kernel = self.attention
-        norm = self._norm
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
-            qkv = layer.qkv(norm(layer.norm1, h))
-            qk = qkv[:, : (H + KV) * D].view(B, H + KV, D)
-            # transformers' apply_rotary_pos_emb, on q and k at once
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = (qk * cos) + (rotated * sin)
-            v = qkv[:, (H + KV) * D :].view(B, KV, 1, D)
-            keys, values = kv.update(qk[:, H:, None, :], v)
-            if kernel is not None:
-                a = kernel(qk[:, :H], keys, values, allowed, layer.scaling)
-            else:
-                a = scaled_dot_product_attention(qk[:, :H, None, :], keys, values,
-                                                 attn_mask=allowed_4d, scale=layer.scaling,
-                                                 enable_gqa=gqa)
-            h = h + layer.o(a.reshape(B, H * D))
-            gu = layer.gate_up(norm(layer.norm2, h))
-            h = h + layer.down(silu(gu[:, :inter]) * gu[:, inter:])
-        return self.lm_head(norm(inner.norm, h))
 
 
 _DECODERS: weakref.WeakKeyDictionary[Any, FastDecoder | None] = weakref.WeakKeyDictionary()
