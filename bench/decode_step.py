@@ -1,9 +1,11 @@
 """What one decode step and the prefill cost the embedded engine's batch, for a real model,
 and where a decode step's milliseconds go.
 
-`B` sequences of `T` random prompt tokens (`--ragged`: lengths spread over [T/2, T], so the
-batch is padded and masked) are prefilled (8 at a time, as the engine admits arrivals)
-into one `DecodeBatch`; after 3 warm-up steps, decode steps are timed one by one. After
+`B` sequences of `T` random prompt tokens (`--ragged`: lengths spread over [T/2, T], so a
+left-padded batch is padded and masked) are prefilled (8 at a time, as the engine admits
+arrivals) into the batch the tree's engine runs (`embedded.batch_class`: the fast batch
+where the tree has one, else `DecodeBatch`); after 3 warm-up steps, decode steps are
+timed one by one. After
 each step the same process times, alone and on the same shapes:
 
 - the step's linear layers: every matmul of a step ([B, in] x [in, out]: q/k/v, o,
@@ -13,8 +15,9 @@ each step the same process times, alone and on the same shapes:
   (a 2048 x 2048 x 2048 fp32 matmul, every 4th step), so that the linear layers'
   efficiency is a ratio;
 - the attention alone over the batch's KV cache, as the tree's decode step runs it (the
-  decode-attention kernel of `tidal.engine.decode_attention` where the tree has it and it
-  builds, else SDPA reading the grouped heads as they are);
+  attention kernel of `tidal.engine.decode_attention` where the tree has it and it
+  builds, over the fast batch's region store or the left-padded cache of older trees,
+  else SDPA);
 - the sampling alone (`processed_logprobs` and `sample_tokens` on [B, V] logits).
 
 Prints JSON: prefill tokens per second, the median decode step and decode tokens per
@@ -62,6 +65,18 @@ def _attention_kernel() -> Any:
     except ImportError:
         return None
     return kernel()
+
+
+def _batch_class(model: Any) -> Any:
+    """The batch the tree's engine runs `model` with (`embedded.batch_class`), or, in an
+    older tree, `DecodeBatch`."""
+    try:
+        from tidal.engine.embedded import batch_class
+    except ImportError:
+        from tidal.engine.batch import DecodeBatch
+
+        return DecodeBatch
+    return batch_class(model)
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -129,7 +144,7 @@ class Bench:
     def prefill(self) -> float:
         """A fresh batch: B prompts admitted 8 at a time, then 3 warm-up steps."""
         from tidal.engine.base import SamplingParams
-        from tidal.engine.batch import DecodeBatch, SequenceRequest
+        from tidal.engine.batch import SequenceRequest
 
         args = self.args
         budget = args.rounds * args.steps + 10
@@ -140,7 +155,8 @@ class Bench:
                                           .tolist()), SamplingParams(max_tokens=budget), seed=i)
                     for i, n in enumerate(lengths)]
         self.batch = None
-        batch = DecodeBatch(self.model, max_context=args.context + budget + 10, pad_id=0)
+        batch = _batch_class(self.model)(self.model, max_context=args.context + budget + 10,
+                                         pad_id=0)
         t0 = time.perf_counter()
         for i in range(0, args.batch, 8):
             batch.admit(requests[i : i + 8], list(range(i, min(i + 8, args.batch))))
@@ -168,6 +184,16 @@ class Bench:
         kernel = _attention_kernel()
 
         def attention() -> None:
+            if hasattr(batch, "_store"):  # a region store: each row reads its own slots
+                lengths = batch._next_pos + 1
+                for keys, values in batch._store:
+                    if kernel is not None:
+                        kernel(q[:, :, 0], keys, values, batch._start, lengths, 0.125)
+                    else:
+                        from tidal.engine.decode_attention import reference
+
+                        reference(q[:, :, 0], keys, values, batch._start, lengths, 0.125)
+                return
             mask = batch._mask  # the step's [B, T] mask, as the decode step reads it
             allowed = None if bool(mask.all()) else mask.bool()
             for layer in batch._cache.layers:

@@ -7,17 +7,16 @@ then each call's output and `--turn` new tokens (a tool result) appended, so the
 cache serves every history and each call prefills only what is new; `--stagger` spreads
 the sessions' starts, so that calls arrive one by one as in a run rather than in lockstep.
 Random token ids, so outputs run to `--max-tokens`. Prints JSON: generated tokens,
-seconds, tokens a second.
+seconds, tokens a second, and the engine's own counters (`EmbeddedEngine.metrics`:
+prompt tokens and those the prefix cache served, prefills and decode steps with their
+seconds, the mean live batch). `--concurrent` is also the engine's `max_batch_size`.
 
     .venv/bin/python bench/engine_sessions.py [--model smollm2-135m] [--sessions 16]
+    PYTHONPATH=/tmp/old/src .venv/bin/python bench/engine_sessions.py ...  # another tree
 
-Measured on 2 cores (SmolLM2-135M). The defaults are shell-skills' shapes (prompts of
-150-550 tokens, ~45 tokens a call): 48.3 tokens a second in lockstep, 36.7 with
-`--stagger 1` (timed separately: 46 prefills stall the batch for 14.5 s of 63; a decode
-step at batch 16 is ~220 ms). Longer histories (`--system 400 --task 150 --turn 80
---calls 2`): 18.7 (16.9 before the KV cache grew in place). A shell-skills evaluation in
-`tidal run` gets ~15 (its sessions, gateway and sandboxes share the process and its cores
-with the engine).
+Measured figures: docs/engine.md ("The fast batch"). The first, on an older machine and
+engine: the defaults (shell-skills' shapes: prompts of 150-550 tokens, ~45 tokens a
+call) gave 48.3 tokens a second in lockstep, 36.7 with `--stagger 1`.
 """
 
 from __future__ import annotations
@@ -46,11 +45,14 @@ def main() -> None:
     ap.add_argument("--turn", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                    help="the engine's prefix cache (a run's rollout.prefix_cache_mb)")
     ap.add_argument("--stagger", type=float, default=0.0,
                     help="seconds between sessions' starts (0: all at once)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    eng = EmbeddedEngine(resolve_model(args.model), max_batch_size=args.concurrent, seed=0)
+    eng = EmbeddedEngine(resolve_model(args.model), max_batch_size=args.concurrent, seed=0,
+                         prefix_cache_mb=args.prefix_cache_mb)
     rng = random.Random(0)
     system = [rng.randrange(1000, 9000) for _ in range(args.system)]
 
@@ -71,13 +73,17 @@ def main() -> None:
     try:
         with ThreadPoolExecutor(args.concurrent) as pool:
             tokens = sum(pool.map(session, range(args.sessions)))
+        dt = time.perf_counter() - t0
+        m = eng.metrics()
     finally:
         eng.close()
-    dt = time.perf_counter() - t0
     print(json.dumps({"model": args.model, "sessions": args.sessions,
                       "concurrent": args.concurrent, "calls": args.calls,
                       "generated": tokens, "seconds": round(dt, 1),
-                      "tokens_per_s": round(tokens / dt, 1)}))
+                      "tokens_per_s": round(tokens / dt, 1),
+                      "engine": {k: round(m[k], 2) for k in (
+                          "prompt_tokens", "cached_tokens", "prefills", "prefill_s",
+                          "decode_steps", "decode_s", "mean_batch")}}))
 
 
 if __name__ == "__main__":

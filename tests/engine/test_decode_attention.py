@@ -1,4 +1,4 @@
-"""The decode-attention kernel (engine/decode_attention.py) against SDPA."""
+"""The attention kernel and the small ops (engine/decode_attention.py) against SDPA and torch."""
 
 from __future__ import annotations
 
@@ -20,45 +20,51 @@ def fn() -> Kernel:
     (18, 2, 64), (4, 4, 32), (14, 2, 48), (2, 1, 8),  # the plain loops
 ])
 def test_agrees_with_sdpa(fn: Kernel, heads: int, kv: int, dim: int) -> None:
+    """Tokens of a prefill (one sequence, lengths 1..5: causal), decode tokens of other
+    sequences, regions of lengths that are and are not multiples of 4."""
     gen = torch.Generator().manual_seed(heads * 100 + dim)
-    B, T, cap = 5, 53, 70
-    q = torch.randn(B, heads, dim, generator=gen) * 2
-    # the cache's layout: views of buffers with room to spare along the sequence axis
-    k = torch.randn(B, kv, cap, dim, generator=gen)[:, :, :T]
-    v = torch.randn(B, kv, cap, dim, generator=gen)[:, :, :T]
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, :20] = False  # left padding
-    mask[3, 5:9] = False  # a hole
-    for m in (mask, None):
-        got, want = fn(q, k, v, m, dim**-0.5), reference(q, k, v, m, dim**-0.5)
-        assert got.shape == (B, heads, dim)
-        assert torch.allclose(got, want, rtol=1e-5, atol=2e-6), (got - want).abs().max()
-    # a masked column does not count, whatever it holds
-    k2 = k.clone()
-    k2[1, :, :20] = 1e4
-    assert torch.allclose(fn(q, k2, v, mask, 0.1), fn(q, k, v, mask, 0.1))
+    S = 200
+    starts = torch.tensor([0, 0, 0, 0, 0, 40, 90, 150])
+    lengths = torch.tensor([1, 2, 3, 4, 5, 47, 53, 50])
+    q = torch.randn(len(starts), heads, dim, generator=gen) * 2
+    k = torch.randn(S, kv, dim, generator=gen)
+    v = torch.randn(S, kv, dim, generator=gen)
+    got = fn(q, k, v, starts, lengths, dim**-0.5)
+    want = reference(q, k, v, starts, lengths, dim**-0.5)
+    assert got.shape == (len(starts), heads, dim)
+    assert torch.allclose(got, want, rtol=1e-5, atol=2e-6), (got - want).abs().max()
+    # slots outside a token's region do not count, whatever they hold
+    k2, v2 = k.clone(), v.clone()
+    k2[5:40], v2[5:40] = 1e4, float("nan")
+    assert torch.allclose(fn(q, k2, v2, starts, lengths, 0.1), fn(q, k, v, starts, lengths, 0.1))
 
 
 def test_the_query_may_be_a_view(fn: Kernel) -> None:
-    """The decode step passes q as a slice of the fused q/k/v projection."""
+    """The step passes q as a slice of the fused q/k/v projection."""
     qkv = torch.randn(4, 9 + 3, 64)
-    k, v = torch.randn(4, 3, 30, 64), torch.randn(4, 3, 30, 64)
+    k, v = torch.randn(60, 3, 64), torch.randn(60, 3, 64)
     q = qkv[:, :9]
+    starts, lengths = torch.tensor([0, 10, 20, 30]), torch.tensor([10, 7, 30, 1])
     assert not q.is_contiguous()
-    assert torch.allclose(fn(q, k, v, None, 0.125), reference(q, k, v, None, 0.125),
-                          rtol=1e-5, atol=2e-6)
+    assert torch.allclose(fn(q, k, v, starts, lengths, 0.125),
+                          reference(q, k, v, starts, lengths, 0.125), rtol=1e-5, atol=2e-6)
 
 
 def test_bad_shapes_are_named(fn: Kernel) -> None:
-    q, k = torch.randn(2, 9, 64), torch.randn(2, 3, 10, 64)
+    q, k = torch.randn(2, 9, 64), torch.randn(10, 3, 64)
+    starts, lengths = torch.tensor([0, 2]), torch.tensor([3, 8])
     with pytest.raises(RuntimeError, match="multiple of KV"):
-        fn(torch.randn(2, 8, 64), k, k, None, 1.0)
+        fn(torch.randn(2, 8, 64), k, k, starts, lengths, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
-        fn(q.double(), k.double(), k.double(), None, 1.0)
-    with pytest.raises(RuntimeError, match=r"mask must be \[B, T\]"):
-        fn(q, k, k, torch.ones(2, 11, dtype=torch.bool), 1.0)
+        fn(q.double(), k.double(), k.double(), starts, lengths, 1.0)
+    with pytest.raises(RuntimeError, match=r"starts and lengths must be int64 \[N\]"):
+        fn(q, k, k, starts.int(), lengths, 1.0)
+    with pytest.raises(RuntimeError, match=r"token 1 reads slots \[2, 11\) of a store of 10"):
+        fn(q, k, k, starts, torch.tensor([3, 9]), 1.0)
+    with pytest.raises(RuntimeError, match=r"token 0 reads slots \[0, 0\)"):
+        fn(q, k, k, starts, torch.tensor([0, 8]), 1.0)
     with pytest.raises(RuntimeError, match="contiguous head dims"):
-        fn(q, k.transpose(2, 3).contiguous().transpose(2, 3)[:, :, :, :64], k, None, 1.0)
+        fn(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, starts, lengths, 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +103,8 @@ def test_rope_split_agrees_with_transformers_rotary(ops: Glue, heads: int, kv: i
     k_ref = qkv[:, heads * dim : (heads + kv) * dim].view(B, kv, 1, dim)
     q_want, k_want = apply_rotary_pos_emb(q_ref, k_ref, cos[:, None], sin[:, None])
     torch.testing.assert_close(q, q_want[:, :, 0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(k, k_want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(v, qkv[:, (heads + kv) * dim :].view(B, kv, 1, dim))
+    torch.testing.assert_close(k, k_want[:, :, 0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(v, qkv[:, (heads + kv) * dim :].view(B, kv, dim))
     for got, want in zip([q, k, v], TORCH_GLUE.rope_split(qkv, cos, sin, heads, kv), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

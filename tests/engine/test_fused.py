@@ -1,7 +1,8 @@
-"""The standard batch's fast decode step (`fused.py`): the tokens and logprobs of
+"""The fast batch (`fast_batch.py`) and its step (`fused.py`): the tokens and logprobs of
 transformers' forward, up to float noise, for Qwen2 (the tiny model: q/k/v biases) and
-Llama (no biases, grouped heads); its fused copies follow every change of the weights;
-models it does not support keep transformers' forward."""
+Llama (no biases, grouped heads), prefill and decode, with and without cached prefixes;
+its fused copies follow every change of the weights; models it does not support keep
+transformers' forward."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from tests.engine.reference import forward_logprobs
 from tidal.engine import decode_attention, fused
 from tidal.engine.base import SamplingParams, Weights
 from tidal.engine.batch import DecodeBatch, SequenceRequest, SequenceResult
-from tidal.engine.embedded import EmbeddedEngine
+from tidal.engine.embedded import EmbeddedEngine, batch_class
+from tidal.engine.fast_batch import FastDecodeBatch
 from tidal.engine.model import load_policy_model
+from tidal.engine.prefix import PrefixCache
 from tidal.engine.sampling import processed_logprobs, sample_tokens
 
 ATOL = 1e-4  # as test_embedded.py: fp32 noise between a KV-cached loop and one forward
@@ -51,11 +54,13 @@ def llama() -> Any:
     return model
 
 
-def _run(model: Any, prompts: list[list[int]], steps: int = 10) -> dict[int, SequenceResult]:
-    """Two prompts admitted, two steps, the rest joins (a merged, left-padded batch)."""
+def _run(model: Any, prompts: list[list[int]], steps: int = 10,
+         kind: type[DecodeBatch] = FastDecodeBatch,
+         prefix: PrefixCache | None = None) -> dict[int, SequenceResult]:
+    """Two prompts admitted, two steps, the rest joins the running batch."""
     reqs = [SequenceRequest(tuple(p), SamplingParams(max_tokens=steps), seed=7 + i)
             for i, p in enumerate(prompts)]
-    batch = DecodeBatch(model, max_context=256, pad_id=0)
+    batch = kind(model, max_context=256, pad_id=0, prefix=prefix)
     batch.admit(reqs[:2], [0, 1])
     batch.step()
     batch.step()
@@ -73,25 +78,36 @@ def _prompts(model: Any) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama"])
-def test_fast_decode_samples_what_transformers_forward_does(
+def test_fast_batch_samples_what_transformers_forward_does(
     name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The same tokens and logprobs as the standard batch (transformers' forward) and as
+    one full forward per sequence; then each sequence's continuation, its history read
+    from the prefix cache, as a fresh prefill of the whole of it."""
     model = request.getfixturevalue(name)
-    assert fused.fast_decoder(model) is not None
+    assert batch_class(model) is FastDecodeBatch
     calls = []
-    real = fused.FastDecoder.decode
-    monkeypatch.setattr(fused.FastDecoder, "decode",
+    real = fused.FastDecoder.forward
+    monkeypatch.setattr(fused.FastDecoder, "forward",
                         lambda self, *a: calls.append(1) or real(self, *a))
     prompts = _prompts(model)
-    fast = _run(model, prompts)
+    cache = PrefixCache(64 << 20)
+    fast = _run(model, prompts, prefix=cache)
     assert calls  # the fast step ran
-    monkeypatch.setattr(fused, "fast_decoder", lambda model, **kw: None)
-    slow = _run(model, prompts)
+    slow = _run(model, prompts, kind=DecodeBatch)
     for i, prompt in enumerate(prompts):
         assert fast[i].output_ids == slow[i].output_ids
         np.testing.assert_allclose(fast[i].logprobs, slow[i].logprobs, atol=ATOL, rtol=0)
         ref = forward_logprobs(model, prompt, fast[i].output_ids)  # one full forward
         np.testing.assert_allclose(fast[i].logprobs, ref.numpy(), atol=ATOL, rtol=0)
+    more = [p + fast[i].output_ids[:-1] + [7, 8, 9] for i, p in enumerate(prompts)]
+    cached = _run(model, more, steps=5, prefix=cache)
+    fresh = _run(model, more, steps=5)
+    assert sum(cached[i].cached_tokens for i in cached) >= sum(map(len, prompts)) - 5
+    for i in range(len(more)):
+        assert fresh[i].cached_tokens == 0
+        assert cached[i].output_ids == fresh[i].output_ids
+        np.testing.assert_allclose(cached[i].logprobs, fresh[i].logprobs, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(("packed", "attention", "small_ops"),
@@ -100,25 +116,82 @@ def test_fast_decode_samples_what_transformers_forward_does(
                           (False, "sdpa", "torch")])
 def test_fast_step_logits_equal_a_full_forward(tiny: Any, packed: bool, attention: Any,
                                                small_ops: Any) -> None:
-    """One decode step's logits, packed oneDNN weights or `F.linear` on the concatenated
-    ones, the attention kernel or SDPA, the fused small ops or torch's, against
-    transformers' forward over each whole sequence, padded rows included."""
+    """A prefill of three prompts (their tokens in one flat list, each prompt's region of
+    the store elsewhere) and then one decode step, packed oneDNN weights or `F.linear` on
+    the concatenated ones, the attention kernel or SDPA, the fused small ops or torch's,
+    against transformers' forward over each whole sequence."""
     if packed and not fused._onednn_ok(torch.float32):
         pytest.skip("oneDNN's packed linear is not available here")
     decoder = fused.FastDecoder(tiny, packed=packed, attention=attention, small_ops=small_ops)
     assert (decoder.attention is None) == (attention == "sdpa")
     assert (decoder.glue is decode_attention.TORCH_GLUE) == (small_ops == "torch")
-    reqs = [SequenceRequest(tuple(p), SamplingParams(max_tokens=4), seed=i)
-            for i, p in enumerate(PROMPTS)]
-    batch = DecodeBatch(tiny, max_context=256, pad_id=151643)
-    batch.admit(reqs, [0, 1, 2])
-    last = batch._last.clone()
-    batch._mask = torch.cat([batch._mask, batch._mask.new_ones((3, 1))], dim=-1)
+    config = tiny.config
+    store = [(torch.zeros(200, decoder.n_kv, decoder.head_dim),
+              torch.zeros(200, decoder.n_kv, decoder.head_dim))
+             for _ in range(config.num_hidden_layers)]
+    regions = [3, 60, 120]
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    starts = torch.cat([torch.full((len(p),), s) for s, p in zip(regions, PROMPTS, strict=True)])
+    last = torch.tensor([len(p) for p in PROMPTS]).cumsum(0) - 1
+    nxt = torch.tensor([11, 22, 33])
     with torch.inference_mode():
-        logits = decoder.decode(last, batch._next_pos, batch._mask, batch._cache.layers)
+        first = decoder.forward(ids, positions, starts, store, last)
+        step = decoder.forward(nxt, torch.tensor([len(p) for p in PROMPTS]),
+                               torch.tensor(regions), store)
         for i, p in enumerate(PROMPTS):
-            want = tiny(input_ids=torch.tensor([[*p, int(last[i])]])).logits[0, -1]
-            torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=1e-4)
+            want = tiny(input_ids=torch.tensor([[*p, int(nxt[i])]])).logits[0]
+            torch.testing.assert_close(first[i], want[-2], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(step[i], want[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_long_prefill_runs_in_chunks(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt longer than a chunk is prefilled chunk by chunk: the same logits."""
+    from tidal.engine import fast_batch
+
+    prompt = [(t * 7) % 5000 + 100 for t in range(150)]
+    whole = _run(tiny, [prompt, prompt[:40]], steps=4)
+    monkeypatch.setattr(fast_batch, "PREFILL_CHUNK", 32)
+    chunked = _run(tiny, [prompt, prompt[:40]], steps=4)
+    for i in (0, 1):
+        assert whole[i].output_ids == chunked[i].output_ids
+        np.testing.assert_allclose(whole[i].logprobs, chunked[i].logprobs, atol=ATOL, rtol=0)
+
+
+def test_a_full_store_moves_the_live_regions(tiny: Any) -> None:
+    """Sequences admitted while others run, until the store (4096 slots at first) fills:
+    the live regions are packed into a larger store mid-sequence, and every sequence
+    samples what the standard batch does."""
+    vocab = int(tiny.config.vocab_size)
+    prompts = [[(i * 131 + t * 17) % vocab for t in range(190 + i)] for i in range(20)]
+    reqs = [SequenceRequest(tuple(p), SamplingParams(max_tokens=40), seed=i)
+            for i, p in enumerate(prompts)]
+
+    def run(kind: type[DecodeBatch]) -> tuple[dict[int, SequenceResult], int]:
+        batch = kind(tiny, max_context=256, pad_id=0)
+        done: dict[int, SequenceResult] = {}
+        grown = 0
+        for i in range(0, len(reqs), 4):
+            before = batch._store[0][0].shape[0] if isinstance(batch, FastDecodeBatch) \
+                and batch._store else 0
+            batch.admit(reqs[i : i + 4], list(range(i, i + 4)))
+            if isinstance(batch, FastDecodeBatch) and before and \
+                    batch._store[0][0].shape[0] > before:
+                grown += 1
+            for _ in range(12):
+                batch.step()
+            done.update(dict(batch.pop_finished()))
+        while len(batch):
+            batch.step()
+            done.update(dict(batch.pop_finished()))
+        return done, grown
+
+    fast, grown = run(FastDecodeBatch)
+    slow, _ = run(DecodeBatch)
+    assert grown >= 1  # the store filled with sequences still running
+    for i in range(len(reqs)):
+        assert fast[i].output_ids == slow[i].output_ids
+        np.testing.assert_allclose(fast[i].logprobs, slow[i].logprobs, atol=ATOL, rtol=0)
 
 
 def test_fast_decoder_follows_weight_updates(tiny_dir: Path) -> None:
@@ -177,6 +250,9 @@ def test_unsupported_models_keep_transformers_forward() -> None:
                                        n_head=2)).eval()
     assert "model_type" in (fused.unsupported(model) or "")
     assert fused.fast_decoder(model) is None
+    assert batch_class(model) is DecodeBatch
+    with pytest.raises(ValueError, match="no fast step for this model: model_type 'gpt2'"):
+        FastDecodeBatch(model, max_context=64, pad_id=0)
     reqs = [SequenceRequest((1, 2, 3), SamplingParams(max_tokens=3), seed=0)]
     batch = DecodeBatch(model, max_context=64, pad_id=0)
     batch.admit(reqs, [0])

@@ -12,6 +12,7 @@ import pytest
 
 from tests.engine.reference import forward_logprobs
 from tidal.engine.base import SamplingParams, Weights
+from tidal.engine.batch import SequenceRequest
 from tidal.engine.embedded import EmbeddedEngine
 from tidal.engine.prefix import PrefixCache
 
@@ -20,6 +21,10 @@ B = 4  # a small block, so hand-made sequences span several
 
 def seq(n: int, start: int = 100) -> list[int]:
     return list(range(start, start + n))
+
+
+def SequenceRequestFor(prompt: list[int], *, seed: int) -> SequenceRequest:  # noqa: N802
+    return SequenceRequest(tuple(prompt), SamplingParams(max_tokens=6), seed=seed)
 
 
 def test_lookup_finds_the_longest_prefix_and_leaves_one_token() -> None:
@@ -34,6 +39,51 @@ def test_lookup_finds_the_longest_prefix_and_leaves_one_token() -> None:
     assert cache.lookup([5] * 20) == (0, None)
     stats = cache.stats
     assert (stats.lookups, stats.hits, stats.tokens_reused, stats.entries) == (6, 4, 37, 2)
+
+
+def test_prompts_sharing_an_uncached_prefix_wait_for_the_first() -> None:
+    """`waiting`: a prompt sharing at least `gain` tokens (whole blocks) more with an
+    earlier one of the call than the cache holds waits; what the cache already holds, or
+    a share under `gain`, does not make it wait."""
+    cache = PrefixCache(10**6, block=B)
+    a = seq(20)
+    prompts = [a, a, [*seq(12), 1, 2, 3, 4, 5, 6], seq(20, start=500), [*seq(4), 9, 9, 9, 9, 9]]
+    assert cache.waiting(prompts, gain=8) == [1, 2]  # 16 and 12 shared; 4 is under gain
+    assert cache.waiting([seq(30, start=900), prompts[2], prompts[3]], gain=8) == []
+    cache.insert(seq(16), "A", 16)
+    assert cache.waiting(prompts, gain=8) == []  # the cache holds what they share
+    assert cache.waiting([seq(40), seq(40)], gain=8) == [1]  # 36 shared, 16 held
+    assert (cache.stats.lookups, cache.stats.hits) == (0, 0)  # it changed nothing
+
+
+def test_a_groups_identical_prompts_are_prefilled_once(tiny_dir: Path) -> None:
+    """Eight sessions of one task (a GRPO group) send their identical first prompt at once:
+    one computes it, the seven others read it from the cache (all but its last block),
+    and they sample what they would have alone."""
+    from tidal.engine.batch import DecodeBatch
+    from tidal.engine.embedded import EmbeddedEngine, batch_class
+
+    prompt = [(t * 37) % 5000 + 100 for t in range(150)]
+    with EmbeddedEngine(tiny_dir, batch_wait_s=0.0) as eng:
+        model = eng.model
+    kind: type[DecodeBatch] = batch_class(model)
+    reqs = [SequenceRequestFor(prompt, seed=i) for i in range(8)]
+    batch = kind(model, max_context=512, pad_id=0, prefix=PrefixCache(64 << 20))
+    batch.admit(reqs, list(range(8)))
+    done = {}
+    while len(batch):
+        batch.step()
+        done.update(dict(batch.pop_finished()))
+    cached = [done[i].cached_tokens for i in range(8)]
+    assert cached[0] == 0 and all(c >= len(prompt) - 16 for c in cached[1:]), cached
+    for i in range(8):
+        alone = kind(model, max_context=512, pad_id=0)
+        alone.admit([reqs[i]], [i])
+        while len(alone):
+            alone.step()
+        [(_, want)] = alone.pop_finished()
+        assert done[i].output_ids == want.output_ids
+        np.testing.assert_allclose(done[i].logprobs, want.logprobs, atol=1e-4, rtol=0)
 
 
 def test_an_extended_entry_is_dropped_and_a_covered_one_not_added() -> None:

@@ -229,3 +229,25 @@ def test_a_user_runtime_factory_is_checked_when_it_yields(user_module: str,
                        match=r"gave a Partial, not a ToolRuntime .*lacks read_file, "
                              r"write_file, list, upload, can_snapshot, snapshot"), bad:
         pass
+
+
+def test_the_embedded_engines_batch_cap_is_a_config_key() -> None:
+    """`engine.max_batch_size` reaches the embedded engine (its decode steps run that many
+    sequences at most); with another engine kind it is refused, naming the key."""
+    from tidal.engine.embedded import EmbeddedEngine
+    from tidal.engine.tiny import ensure_tiny
+
+    tiny_dir = ensure_tiny()
+    cfg = parse_config({"engine": {"max_batch_size": 48}})
+    engine = components.make_engine(cfg, tiny_dir, device="cpu", policy_version=0,
+                                    model_name="m", tokenizer_dir=tiny_dir,
+                                    run_dir=tiny_dir)
+    try:
+        assert isinstance(engine, EmbeddedEngine) and engine.max_batch_size == 48
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match=r"engine.max_batch_size is only used with "
+                                          r"engine.kind = \"embedded\" \(kind is 'vllm'\)"):
+        parse_config({"engine": {"kind": "vllm", "max_batch_size": 48}})
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        parse_config({"engine": {"max_batch_size": 0}})

@@ -15,8 +15,10 @@ float noise.
 Why it is a module of its own: it is the engine's numerics without its threads. Nothing
 here knows about queues, locks or weight versions (`embedded.py` feeds it), so it can be
 run to the end synchronously (`decode_batch`) and compared with single-sequence runs,
-and the consistent batch (`consistent_batch.py`) replaces only its model-specific part
-(`_prefill`, `_decode`, `_keep`, `_extract`, `can_merge`) and keeps the bookkeeping.
+and the region batches (`regions.py`: the consistent one and the fast one, which the
+engine runs for the models `fused.py` supports) replace only its model-specific part
+(`_prefill`, `_decode`, `_keep`, `_extract`, `can_merge`) and keep the bookkeeping.
+This one is for the rest: other architectures, sliding-window caches, CUDA.
 
 Prefix caching: with a `PrefixCache` (`prefix.py`), a finished sequence's KV is kept,
 and a prompt that starts with a kept sequence prefills only the rest, so an agent's
@@ -41,6 +43,10 @@ from typing import Any
 from tidal.engine.base import SamplingParams, TopLogprobs
 from tidal.engine.prefix import PrefixCache
 from tidal.engine.sampling import processed_logprobs, sample_tokens
+
+# Prompt tokens a request must share with an earlier one admitted with it, beyond what the
+# prefix cache holds, to wait for that one's prefill (`DecodeBatch.admit`).
+SHARED_GAIN = 64
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class DecodeBatch:
     it joined or who shares the batch (up to floating-point noise). With a `prefix`
     cache, a finished sequence's KV is kept there and a new prompt prefills only what
     follows its longest cached prefix. The model-specific part (`_prefill`, `_decode`,
-    `_keep`, `_extract`, `can_merge`) is what `ConsistentDecodeBatch` replaces.
+    `_keep`, `_extract`, `can_merge`) is what the region batches (`regions.py`) replace.
     """
 
     def __init__(
@@ -94,13 +100,27 @@ class DecodeBatch:
         self._top_p = torch.zeros((0,), device=self._device)
         self._rows: list[_Row] = []
         self._finished: list[tuple[Any, SequenceResult]] = []
-        self._fast_checked = False  # the fast decoder's thorough check: once per busy period
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def admit(self, requests: Sequence[SequenceRequest], tags: Sequence[Any]) -> None:
-        """Prefill `requests`, sample their first tokens and add them to the batch."""
+        """Prefill `requests`, sample their first tokens and add them to the batch.
+
+        With a prefix cache, each new prompt is cached as soon as it is prefilled, and the
+        requests sharing more of their prompt with an earlier one of `requests` than the
+        cache holds (`PrefixCache.waiting`: at least `SHARED_GAIN` tokens) are prefilled
+        in a second pass, after it: a group's identical prompts are computed once."""
+        if self._prefix is not None and len(requests) > 1:
+            later = set(self._prefix.waiting([r.prompt for r in requests], gain=SHARED_GAIN))
+            if later:
+                first = [i for i in range(len(requests)) if i not in later]
+                for part in (first, sorted(later)):
+                    self._admit([requests[i] for i in part], [tags[i] for i in part])
+                return
+        self._admit(requests, tags)
+
+    def _admit(self, requests: Sequence[SequenceRequest], tags: Sequence[Any]) -> None:
         import torch
 
         if not requests:
@@ -127,6 +147,8 @@ class DecodeBatch:
         self._top_k = torch.cat([self._top_k, top_k.long()])
         self._top_p = torch.cat([self._top_p, top_p.float()])
         first = len(self._rows) - n
+        for i in range(first, len(self._rows)):
+            self._remember_prompt(i)
         self._last = torch.cat([self._last, torch.zeros(n, dtype=torch.long, device=self._device)])
         self._sample(logits, list(range(first, len(self._rows))))
         self._retire()
@@ -200,21 +222,11 @@ class DecodeBatch:
         return out.logits[:, -1, :]
 
     def _decode(self) -> Any:
-        """One forward of every row's last token; logits [B, V]. Through the fast decode
-        step (`fused.py`: fused, pre-packed weights, one loop over the layers) when the
-        model has one and the cache is all growing layers; else transformers' forward."""
+        """One forward of every row's last token through transformers; logits [B, V]."""
         import torch
 
-        from tidal.engine.fused import fast_decoder
-
         self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=-1)
-        fast = None
-        if self.can_merge:  # all growing layers
-            fast = fast_decoder(self._model, thorough=not self._fast_checked)
-            self._fast_checked = True
         with torch.inference_mode():
-            if fast is not None:
-                return fast.decode(self._last, self._next_pos, self._mask, self._cache.layers)
             out = self._model(
                 input_ids=self._last[:, None],
                 attention_mask=self._mask,
@@ -317,6 +329,15 @@ class DecodeBatch:
             self._top_k[sel],
             self._top_p[sel],
         )
+
+    def _remember_prompt(self, i: int) -> None:
+        """Keep new row i's prompt KV in the prefix cache when it computed at least a
+        block of it (its finished sequence replaces the entry later)."""
+        row = self._rows[i]
+        if self._prefix is None or len(row.prompt) - row.cached < self._prefix.block:
+            return
+        kv, nbytes = self._extract(i, len(row.prompt))
+        self._prefix.insert(row.prompt, kv, nbytes)
 
     def _remember(self, i: int) -> None:
         """Keep finished row i's KV in the prefix cache: its prompt and all its output but

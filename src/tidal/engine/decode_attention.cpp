@@ -1,13 +1,21 @@
-// One decode step's attention for grouped-query models, reading each KV head once.
+// Attention of query tokens over a KV store, for grouped-query models, reading each KV head
+// once per token.
 //
-// out[b, h] = sum_t p[b, h, t] * v[b, h / G, t],  p = softmax_t(scale * q[b, h] . k[b, h / G, t])
-// over the columns t where mask[b, t] is set (all of them without a mask), G = H / KV.
+// The store holds keys and values by slot: k[s, g] and v[s, g] for slot s and KV head g.
+// Token n attends to the L = lengths[n] slots starting at starts[n] (its sequence's
+// region: its own key and all before it):
 //
-// Work is split over (row, KV head): each task streams its keys once for the G query heads
-// that share them (G dot products per key row), then its values once, in tiles that stay in
-// L1 while the G heads' sums pass over them. With AVX2 and FMA, head dims 64 and 128 and up
-// to 8 query heads per KV head take the intrinsics path below; anything else a plain loop
-// the compiler vectorizes. Built by tidal.engine.decode_attention (-O3 -march=native
+//   out[n, h] = sum_t p[n, h, t] * v[starts[n] + t, h / G],
+//   p = softmax_t(scale * q[n, h] . k[starts[n] + t, h / G]),   t < L, G = H / KV.
+//
+// A decode step is one token per sequence; a prefill is a sequence's new tokens, each with
+// its own length (causal by construction). Nothing is padded or masked.
+//
+// Work is split over (token, KV head): each task streams its keys once for the G query
+// heads that share them (G dot products per key row), then its values once, in tiles that
+// stay in L1 while the G heads' sums pass over them. With AVX2 and FMA, head dims 64 and 128
+// and up to 8 query heads per KV head take the intrinsics path below; anything else a plain
+// loop the compiler vectorizes. Built by tidal.engine.decode_attention (-O3 -march=native
 // -ffast-math: the exponentials are glibc's vector expf).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,16 +31,15 @@
 
 namespace {
 
-constexpr float kMasked = -1e30f;  // exp(kMasked - max) is 0 (no infinities under fast-math)
+constexpr float kMasked = -1e30f;  // the running max's start (no infinities under fast-math)
 constexpr int64_t kTile = 64;      // value rows per tile (64 x 128 floats: 32 KB)
 
-// One (row, KV head): its G queries, keys and values (row strides kst, vst), its mask row.
+// One (token, KV head): its G queries, its T keys and values (row strides kst, vst).
 struct Head {
   const float* q;
   const float* k;
   const float* v;
   int64_t kst, vst;
-  const bool* mask;
   int64_t T, G, D;
   float scale;
 };
@@ -59,16 +66,12 @@ void plain_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
   std::fill(mx, mx + G, kMasked);
   for (int64_t t = 0; t < T; ++t) {
     const float* kt = h.k + t * h.kst;
-    const bool on = !h.mask || h.mask[t];
     for (int64_t i = 0; i < G; ++i) {
-      float x = kMasked;
-      if (on) {
-        const float* qi = h.q + i * D;
-        float dot = 0.f;
+      const float* qi = h.q + i * D;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t j = 0; j < D; ++j) dot += qi[j] * kt[j];
-        x = h.scale * dot;
-      }
+      for (int64_t j = 0; j < D; ++j) dot += qi[j] * kt[j];
+      const float x = h.scale * dot;
       s[i * T + t] = x;
       mx[i] = std::max(mx[i], x);
     }
@@ -137,18 +140,13 @@ void avx2_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
       float* si = s + i * T + t;
       float m = mx[i];
       for (int r = 0; r < 4; ++r) {
-        const float x = (h.mask && !h.mask[t + r]) ? kMasked : out4[r];
-        si[r] = x;
-        m = std::max(m, x);
+        si[r] = out4[r];
+        m = std::max(m, out4[r]);
       }
       mx[i] = m;
     }
   }
   for (; t < T; ++t) {
-    if (h.mask && !h.mask[t]) {
-      for (int i = 0; i < G; ++i) s[i * T + t] = kMasked;
-      continue;
-    }
     const float* kt = h.k + t * h.kst;
     for (int i = 0; i < G; ++i) {
       __m256 a = _mm256_setzero_ps();
@@ -216,53 +214,57 @@ bool fast_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
 }
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const c10::optional<torch::Tensor>& mask,
-                               double scale) {
+                               const torch::Tensor& v, const torch::Tensor& starts,
+                               const torch::Tensor& lengths, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                   v.scalar_type() == torch::kFloat32,
               "decode_attention: float32 tensors only");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4,
-              "decode_attention: q is [B, H, D], k and v [B, KV, T, D]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KV = k.size(1), T = k.size(2);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "decode_attention: q is [N, H, D], k and v [S, KV, D]");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = k.size(0), KV = k.size(1);
   TORCH_CHECK(KV > 0 && H % KV == 0, "decode_attention: H must be a multiple of KV");
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == KV && v.size(2) == T &&
-                  k.size(3) == D && v.size(3) == D,
-              "decode_attention: k and v must be [B, KV, T, D] for q [B, H, D]");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1,
+  TORCH_CHECK(v.size(0) == S && v.size(1) == KV && k.size(2) == D && v.size(2) == D,
+              "decode_attention: k and v must be [S, KV, D] for q [N, H, D]");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1,
               "decode_attention: k and v need contiguous head dims");
-  TORCH_CHECK(T > 0, "decode_attention: no key columns");
+  TORCH_CHECK(starts.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong &&
+                  starts.dim() == 1 && lengths.dim() == 1 && starts.size(0) == N &&
+                  lengths.size(0) == N,
+              "decode_attention: starts and lengths must be int64 [N]");
+  const torch::Tensor st = starts.contiguous(), ln = lengths.contiguous();
+  const int64_t* sp = st.data_ptr<int64_t>();
+  const int64_t* lp = ln.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(lp[n] > 0 && sp[n] >= 0 && sp[n] + lp[n] <= S,
+                "decode_attention: token ", n, " reads slots [", sp[n], ", ", sp[n] + lp[n],
+                ") of a store of ", S);
+    longest = std::max(longest, lp[n]);
+  }
   const int64_t G = H / KV;
   const torch::Tensor qc = q.contiguous();
-  torch::Tensor out = torch::empty({B, H, D}, q.options());
-  torch::Tensor m;
-  const bool* mp = nullptr;
-  if (mask.has_value()) {
-    m = mask->to(torch::kBool).contiguous();
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == B && m.size(1) == T,
-                "decode_attention: mask must be [B, T]");
-    mp = m.data_ptr<bool>();
-  }
+  torch::Tensor out = torch::empty({N, H, D}, q.options());
   const float* qp = qc.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ksb = k.stride(0), ksh = k.stride(1), kst = k.stride(2);
-  const int64_t vsb = v.stride(0), vsh = v.stride(1), vst = v.stride(2);
+  const int64_t kss = k.stride(0), ksh = k.stride(1);
+  const int64_t vss = v.stride(0), vsh = v.stride(1);
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(G * T), acc(G * D), mx(G), tot(G);
-    for (int64_t bg = begin; bg < end; ++bg) {
-      const int64_t b = bg / KV, g = bg % KV;
-      Head h{qp + (b * H + g * G) * D, kp + b * ksb + g * ksh, vp + b * vsb + g * vsh,
-             kst, vst, mp ? mp + b * T : nullptr, T, G, D, sc};
+  at::parallel_for(0, N * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(G * longest), acc(G * D), mx(G), tot(G);
+    for (int64_t ng = begin; ng < end; ++ng) {
+      const int64_t n = ng / KV, g = ng % KV;
+      Head h{qp + (n * H + g * G) * D, kp + sp[n] * kss + g * ksh, vp + sp[n] * vss + g * vsh,
+             kss, vss, lp[n], G, D, sc};
       if (!fast_head(h, s.data(), acc.data(), mx.data(), tot.data())) {
         plain_head(h, s.data(), acc.data(), mx.data(), tot.data());
       }
       for (int64_t i = 0; i < G; ++i) {
-        float* o = op + (b * H + g * G + i) * D;
-        const float inv = tot[i] > 0.f ? 1.f / tot[i] : 0.f;
+        float* o = op + (n * H + g * G + i) * D;
+        const float inv = 1.f / tot[i];
         for (int64_t j = 0; j < D; ++j) o[j] = acc[i * D + j] * inv;
       }
     }
@@ -344,8 +346,8 @@ std::vector<torch::Tensor> rope_split(const torch::Tensor& qkv, const torch::Ten
               "rope_split: cos and sin must be [B, D] with D even");
   TORCH_CHECK(qkv.size(1) == (H + 2 * KV) * D, "rope_split: qkv must be [B, (H + 2 KV) D]");
   torch::Tensor q = torch::empty({B, H, D}, qkv.options());
-  torch::Tensor k = torch::empty({B, KV, 1, D}, qkv.options());
-  torch::Tensor v = torch::empty({B, KV, 1, D}, qkv.options());
+  torch::Tensor k = torch::empty({B, KV, D}, qkv.options());
+  torch::Tensor v = torch::empty({B, KV, D}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -394,7 +396,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "grouped-query decode attention (see the file)");
+  m.def("decode_attention", &decode_attention, "grouped-query attention over a KV store (see the file)");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w over rows");
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then rms_norm(x)");
   m.def("rope_split", &rope_split, "q, k, v of a fused projection, rotary on q and k");

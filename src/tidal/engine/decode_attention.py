@@ -1,5 +1,12 @@
-"""A decode step's attention that reads each grouped KV head once, and the step's small ops
-fused: a small C++ extension (`decode_attention.cpp`), built for this machine on first use.
+"""Attention over a KV store that reads each grouped KV head once per query token, and the
+fast step's small ops fused: a small C++ extension (`decode_attention.cpp`), built for
+this machine on first use.
+
+The store (`fast_batch.py`'s) keeps every sequence's keys and values in a region of slots,
+[S, KV, D] per layer; query token n reads the `lengths[n]` slots from `starts[n]` (its
+sequence's region up to and including itself). A decode step is one token per sequence, a
+prefill a sequence's new tokens: nothing is padded, masked, merged or copied when
+sequences join or leave.
 
 Why: at batch 16 and 800 tokens of context, SmolLM2-135M's decode step reads ~590 MB of
 fp32 keys and values (30 layers, 3 KV heads of 64). SDPA's CPU kernel read them at ~7
@@ -45,8 +52,9 @@ import torch
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
-# q [B, H, D], k/v [B, KV, T, D] (head dim contiguous), mask [B, T] bool or None, scale
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float],
+# q [N, H, D], k/v [S, KV, D] (head dim contiguous), starts [N] and lengths [N] int64, scale
+# -> [N, H, D]: token n attends to slots starts[n] .. starts[n] + lengths[n] - 1
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                   torch.Tensor]
 
 
@@ -59,8 +67,8 @@ class Glue:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     # (x, delta, w, eps): x += delta in place, then rms_norm(x, w, eps)
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-    # (qkv [B, (H + 2 KV) D], cos [B, D], sin [B, D], H, KV) -> q [B, H, D] and k, v
-    # [B, KV, 1, D], rotary (rotate-half) applied to q and k
+    # (qkv [N, (H + 2 KV) D], cos [N, D], sin [N, D], H, KV) -> q [N, H, D] and k, v
+    # [N, KV, D], rotary (rotate-half) applied to q and k
     rope_split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int],
                          list[torch.Tensor]]
     # gu [B, 2 I] -> silu(gu[:, :I]) * gu[:, I:]
@@ -87,25 +95,37 @@ def _name() -> str:
     return "tidal_decode_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float) -> torch.Tensor:
-    """The same attention through SDPA ([B, H, D]): what the kernel must agree with."""
-    allowed = None if mask is None else mask.bool()[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=allowed, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
-    return out[:, :, 0, :]
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: PLR0917 (a Kernel)
+              starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same attention through SDPA ([N, H, D]): each token's region gathered into a
+    padded [n, KV, L, D] and masked, n tokens at a time (the gathered keys and values of a
+    chunk kept near 64 MB). What the kernel must agree with, and what the fast step runs
+    where the kernel cannot be built."""
+    width = int(lengths.max())
+    per_token = width * k.shape[1] * k.shape[2] * k.element_size()
+    chunk = max(1, (64 << 20) // per_token)
+    cols = torch.arange(width, device=q.device)
+    parts = []
+    for a in range(0, q.shape[0], chunk):
+        s, n = starts[a : a + chunk], lengths[a : a + chunk]
+        slots = (s[:, None] + cols).clamp_(max=k.shape[0] - 1)  # [n, L]
+        allowed = (cols < n[:, None])[:, None, None, :]
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            q[a : a + chunk, :, None, :], k[slots].transpose(1, 2), v[slots].transpose(1, 2),
+            attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])[:, :, 0, :])
+    return torch.cat(parts)
 
 
 def _check(fn: Kernel) -> str | None:
-    """Why `fn` cannot stand in for SDPA (None: it can), on a small masked case."""
+    """Why `fn` cannot stand in for SDPA (None: it can), on a small case: three tokens of
+    one sequence (a prefill) and one of another."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 6, 16, generator=gen)
-    k = torch.randn(3, 2, 40, 16, generator=gen)[:, :, :37]  # views of a longer buffer
-    v = torch.randn(3, 2, 40, 16, generator=gen)[:, :, :37]
-    mask = torch.ones(3, 37, dtype=torch.bool)
-    mask[1, :9] = False
-    got, want = fn(q, k, v, mask, 0.25), reference(q, k, v, mask, 0.25)
+    q = torch.randn(4, 6, 16, generator=gen)
+    k = torch.randn(50, 2, 16, generator=gen)
+    v = torch.randn(50, 2, 16, generator=gen)
+    starts = torch.tensor([3, 3, 3, 20])
+    lengths = torch.tensor([7, 8, 9, 30])
+    got, want = fn(q, k, v, starts, lengths, 0.25), reference(q, k, v, starts, lengths, 0.25)
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
         return f"it differs from SDPA by {(got - want).abs().max().item():.2e}"
     return None
@@ -138,8 +158,8 @@ def _rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     qk = qkv[:, : (heads + kv_heads) * D].reshape(B, heads + kv_heads, D)
     rotated = torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)
     qk = qk * cos[:, None] + rotated * sin[:, None]
-    v = qkv[:, (heads + kv_heads) * D :].reshape(B, kv_heads, 1, D)
-    return [qk[:, :heads], qk[:, heads:, None], v]
+    v = qkv[:, (heads + kv_heads) * D :].reshape(B, kv_heads, D)
+    return [qk[:, :heads], qk[:, heads:], v]
 
 
 def _silu_mul(gu: torch.Tensor) -> torch.Tensor:

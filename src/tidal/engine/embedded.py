@@ -4,10 +4,12 @@
 `load_policy_model` (the trainer's loader too) and serves `generate` calls from any
 number of threads through a request queue and a worker thread doing continuous batching:
 an idle worker collects what arrives within `batch_wait_s` (up to `max_batch_size`
-sequences) into one left-padded prefill; while sequences run, queued ones are admitted
-into the running batch between decode steps, and finished ones are returned at once. The
-batch itself, and with it the sampling loop and its numerics, is `batch.py`'s
-`DecodeBatch`; this module only queues, admits, and swaps weights.
+sequences) into one prefill; while sequences run, queued ones are admitted into the
+running batch between decode steps, and finished ones are returned at once. The batch
+itself, and with it the sampling loop and its numerics, is a `DecodeBatch` (`batch.py`),
+chosen by `batch_class`: for the models `fused.py` supports on CPU the fast one
+(`fast_batch.py`: fused weights, a region KV store, prefill and decode through the same
+step), else transformers' forward; this module only queues, admits, and swaps weights.
 
 Semantics shared with the vLLM engine:
 - only `SamplingParams.stop_token_ids` stop a sequence (no implicit EOS: the caller, which
@@ -24,7 +26,7 @@ logprob is then exactly what the trainer's `attention="consistent"` recomputes.
 Weight updates (`update_weights`, given `Weights` from the trainer or a checkpoint
 directory) stop admission, let the running sequences finish, then copy the new tensors
 into the model in place: a sequence never mixes two policy versions. Tensors in process
-never go through a file. The standard batch's fast decode step (`fused.py`) keeps fused,
+never go through a file. The fast batch's step (`fused.py`) keeps fused,
 packed copies of the linear weights; they are rebuilt in the same update.
 
 Prefix caching (`prefix_cache_mb`, on by default): the engine owns the `PrefixCache`
@@ -58,6 +60,7 @@ from tidal.engine.base import (
 )
 from tidal.engine.batch import DecodeBatch, SequenceRequest, SequenceResult
 from tidal.engine.consistent_batch import ConsistentDecodeBatch
+from tidal.engine.fast_batch import FastDecodeBatch
 from tidal.engine.fused import fast_decoder
 from tidal.engine.fused import refresh as refresh_fused
 from tidal.engine.model import load_policy_model
@@ -101,6 +104,15 @@ class _Pending:
     future: Future[tuple[SequenceResult, int, int]]  # result, policy version, batch size
     version: int = 0  # set at admission
     batch_size: int = 0  # rows in the batch right after admission
+
+
+def batch_class(model: Any, numerics: str = "standard") -> type[DecodeBatch]:
+    """The batch the engine runs `model` with: the consistent one for `numerics =
+    "consistent"`, else the fast one (`fast_batch.py`) where the model has a fast step
+    (`fused.unsupported`), else transformers' forward (`batch.py`)."""
+    if numerics == "consistent":
+        return ConsistentDecodeBatch
+    return FastDecodeBatch if fast_decoder(model) is not None else DecodeBatch
 
 
 class EmbeddedEngine:
@@ -194,6 +206,11 @@ class EmbeddedEngine:
     @property
     def max_context(self) -> int:
         return self._max_context
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most sequences one decode step runs (more wait in the queue)."""
+        return self._max_batch
 
     @property
     def vocab_size(self) -> int:
@@ -398,7 +415,7 @@ class EmbeddedEngine:
         `_update_waiting`: admission stops, the live sequences finish, the lock is released
         and the update applies, so no sequence ever mixes two weight versions.
         """
-        kind = ConsistentDecodeBatch if self._numerics == "consistent" else DecodeBatch
+        kind = batch_class(self._model, self._numerics)
         batch = kind(self._model, max_context=self._max_context, pad_id=self._pad_id,
                      prefix=self._prefix)
         closing = False

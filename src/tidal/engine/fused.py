@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.nn.functional import linear, scaled_dot_product_attention
+from torch.nn.functional import linear
 
 from tidal.engine import decode_attention
 from tidal.engine.decode_attention import Glue, Kernel
@@ -307,35 +307,36 @@ class FastDecoder:
         cos, sin = self._rotary
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-               kv_layers: Sequence[Any]) -> torch.Tensor:
-        """Logits [B, V] of one decode step: row b's token `ids[b]` at position
-        `positions[b]`, attending to the cache columns where `mask[b]` ([B, T], this step's
-        column included) is nonzero. `kv_layers` are the cache's `GrowingLayer`s, whose
-        `update` appends this step's keys and values (T - 1 columns before it)."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
+                store: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the tokens `ids` [N] at `positions` [N] of sequences whose regions in
+        `store` (per layer, keys and values [S, KV, D]) begin at `starts` [N]: each token's
+        key and value are written at slot `starts + positions`, then it attends to its
+        region's slots up to its own. Tokens of one sequence may be several (a prefill,
+        in order) or one (a decode step). Returns [len(out_rows), V] for the tokens
+        `out_rows` picks (all: [N, V])."""
         assert self.lm_head is not None
         glue, kernel = self.glue, self.attention
-        B, D, H, KV = ids.shape[0], self.head_dim, self.n_heads, self.n_kv
+        N, D, H, KV = ids.shape[0], self.head_dim, self.n_heads, self.n_kv
         inner = self.model.model
-        h = inner.embed_tokens(ids)  # [B, hidden], the residual stream (updated in place)
+        slots, lengths = starts + positions, positions + 1
+        h = inner.embed_tokens(ids)  # [N, hidden], the residual stream (updated in place)
         cos, sin = self._cos_sin(positions)
-        allowed = None if bool(mask.all()) else mask.bool()
-        allowed_4d = None if allowed is None else allowed[:, None, None, :]
         delta: torch.Tensor | None = None  # the last MLP's output, not yet added to h
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
+        for layer, (keys, values) in zip(self.layers, store, strict=True):
             w, eps = _rms_params(layer.norm1)
             x = glue.rms_norm(h, w, eps) if delta is None else glue.add_rms_norm(h, delta, w, eps)
             q, k, v = glue.rope_split(layer.qkv(x), cos, sin, H, KV)
-            keys, values = kv.update(k, v)
-            if kernel is not None:
-                a = kernel(q, keys, values, allowed, layer.scaling)
-            else:
-                a = scaled_dot_product_attention(q[:, :, None, :], keys, values,
-                                                 attn_mask=allowed_4d, scale=layer.scaling,
-                                                 enable_gqa=H != KV)
-            x = glue.add_rms_norm(h, layer.o(a.reshape(B, H * D)), *_rms_params(layer.norm2))
+            keys.index_copy_(0, slots, k)
+            values.index_copy_(0, slots, v)
+            attend = kernel or decode_attention.reference
+            a = attend(q, keys, values, starts, lengths, layer.scaling)
+            x = glue.add_rms_norm(h, layer.o(a.reshape(N, H * D)), *_rms_params(layer.norm2))
             delta = layer.down(glue.silu_mul(layer.gate_up(x)))
         assert delta is not None
+        if out_rows is not None and out_rows.shape[0] != N:
+            h, delta = h.index_select(0, out_rows), delta.index_select(0, out_rows)
         return self.lm_head(glue.add_rms_norm(h, delta, *_rms_params(inner.norm)))
 
 

@@ -4,8 +4,10 @@ An agent's calls share their history: call k+1's prompt is call k's prompt, its 
 and the tool results that followed. Without a cache the engine prefills the whole
 history again on every call, so a session of K calls costs O(K x context) forward work;
 with it, each call computes only its new tokens, and the work grows with the session's
-unique tokens. `DecodeBatch` inserts a sequence's KV when it finishes and looks up each
-new prompt's longest cached prefix before prefilling the rest.
+unique tokens. `DecodeBatch` inserts a sequence's KV when it finishes (and a prompt's as
+soon as it is prefilled) and looks up each new prompt's longest cached prefix before
+prefilling the rest; prompts admitted together that share a prefix the cache does not
+hold yet wait for the first of them (`waiting`).
 
 The cache is a pure data structure: it stores an opaque KV payload per entry (the batch
 that made it knows its layout) with the entry's token ids and byte size, and finds the
@@ -98,6 +100,30 @@ class PrefixCache:
         self._stats.hits += 1
         self._stats.tokens_reused += n
         return n, entry.kv
+
+    def waiting(self, prompts: Sequence[Sequence[int]], *, gain: int) -> list[int]:
+        """Indices of the prompts that share at least `gain` tokens more (in whole blocks)
+        with an earlier prompt of `prompts` than the cache holds of them. Prefilled after
+        the others, once those are cached, they compute only what is their own: a GRPO
+        group's identical first prompts, arriving together, cost one prefill, not eight.
+        Only prompts not waiting themselves count as earlier. Changes nothing."""
+        seen: set[int] = set()
+        out = []
+        for i, prompt in enumerate(prompts):
+            tokens = np.asarray(prompt, dtype=np.int32)
+            shared = held = 0
+            chain = []
+            for end, h in self._hashes(tokens, int(tokens.size) - 1):
+                chain.append(h)
+                if h in seen and shared == end - self.block:
+                    shared = end
+                if h in self._index and held == end - self.block:
+                    held = end
+            if shared - held >= gain:
+                out.append(i)
+            else:
+                seen.update(chain)
+        return out
 
     def insert(self, tokens: Sequence[int] | npt.NDArray[Any], kv: Any, nbytes: int) -> bool:
         """Keep `kv`, the payload of the sequence `tokens` (one position per token).

@@ -300,7 +300,8 @@ def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_versio
 
         return EmbeddedEngine(weights_dir, device=device, policy_version=policy_version,
                               model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
-                              prefix_cache_mb=cfg.rollout.prefix_cache_mb)
+                              prefix_cache_mb=cfg.rollout.prefix_cache_mb,
+                              max_batch_size=cfg.engine.max_batch_size)
     factory = load_attr(cfg.engine.kind, "engine.kind")
     engine = factory(weights_dir, device=device, policy_version=policy_version,
                      model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,

@@ -149,6 +149,8 @@ class EngineConfig(_Section):
     kind: str = Field("embedded", description="embedded (transformers, in this process), vllm "
                       "(vLLM servers: started here, or attached by urls) or module:attr (a "
                       "factory returning an Engine)")
+    max_batch_size: int = Field(16, ge=1, le=4096, description="kind = embedded: sequences "
+                                "one decode step runs at most (more wait for a free row)")
     servers: int = Field(1, ge=1, le=64, description="kind = vllm: servers tidal starts, "
                          "watches and stops (server i on GPU i on CUDA)")
     urls: tuple[str, ...] = Field(
@@ -180,6 +182,10 @@ class EngineConfig(_Section):
 
     @model_validator(mode="after")
     def _vllm_keys(self) -> EngineConfig:
+        if self.kind != "embedded" and self.max_batch_size != type(self).model_fields[
+                "max_batch_size"].default:
+            raise ValueError(f"engine.max_batch_size is only used with engine.kind = "
+                             f"\"embedded\" (kind is {self.kind!r})")
         if self.kind != "vllm":
             fields = type(self).model_fields
             used = [k for k in ("servers", "urls", "vllm_python", "vllm_args", "max_model_len",

@@ -1,0 +1,150 @@
+"""A batch whose KV cache is a store of regions: what the consistent and the fast batches
+share.
+
+`RegionBatch` keeps `DecodeBatch`'s interface and bookkeeping (rows, seeded sampling,
+retiring, the prefix cache) and replaces its KV cache: per layer one zero-filled store of
+slots ([S, KV heads, head dim] for keys and for values), each sequence owning a region of
+prompt + budget slots from `_start[row]`, written as it goes. A query token reads its
+keys by slot, so nothing is padded, merged or copied when sequences join or leave;
+regions of retired rows are reclaimed when the store fills (the live regions are copied,
+packed, to a new store at least twice as large).
+
+Prefill and decode are one operation on a flat list of tokens (`_run`): each token with
+its id, position and row; a prefill's are a prompt's tokens after its cached prefix, a
+decode step's each row's last sampled token. Subclasses supply the forward over it:
+`consistent_batch.py` (the batch-invariant forward) and `fast_batch.py` (the fast fused
+step). A cached prefix (prefix caching) is copied into a new row's region before its
+other tokens run: a token's KV depends only on its ancestors, so the copy is what
+prefilling them again would write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tidal.engine.batch import DecodeBatch, SequenceRequest
+from tidal.engine.prefix import PrefixCache
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RegionBatch(DecodeBatch):
+    """`DecodeBatch` over a region store (see the module). Subclasses implement `_run`.
+
+    The store's keys and values are [S, KV, D] tensors; with `head_major` they are views of
+    [KV, S, D] buffers, so that one KV head's slots are contiguous (what an attention
+    that streams a head's keys wants), else contiguous themselves (a slot's heads
+    together)."""
+
+    head_major = False
+
+    def __init__(
+        self, model: Any, *, max_context: int, pad_id: int, prefix: PrefixCache | None = None
+    ) -> None:
+        import torch
+
+        super().__init__(model, max_context=max_context, pad_id=pad_id, prefix=prefix)
+        config = model.config
+        heads = int(config.num_attention_heads)
+        self._geometry = (int(config.num_hidden_layers), int(config.num_key_value_heads),
+                          int(getattr(config, "head_dim", None) or config.hidden_size // heads))
+        self._store: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._used = 0
+        self._start = torch.zeros((0,), dtype=torch.long, device=self._device)
+
+    @property
+    def can_merge(self) -> bool:
+        return True
+
+    def _run(self, ids_T: torch.Tensor, pos_T: torch.Tensor, row_T: torch.Tensor,
+             starts_R: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(out_rows), V] of tokens `ids_T` at positions `pos_T` of rows `row_T`
+        (indices into `starts_R`, the rows' region starts): each token's key and value are
+        written at slot starts_R[row] + pos and it attends to its region up to itself;
+        `out_rows` picks the tokens whose logits are returned."""
+        raise NotImplementedError
+
+    def _capacity(self) -> int:
+        return int(self._store[0][0].shape[0]) if self._store else 0
+
+    def _reserve(self, need: int) -> None:
+        """Make room for `need` more slots after `_used`, compacting live regions."""
+        import torch
+
+        if self._used + need <= self._capacity():
+            return
+        sizes = [int(p) - len(r.output_ids) + 1 + r.budget
+                 for p, r in zip(self._next_pos.tolist(), self._rows, strict=True)]
+        cap = max(2 * self._capacity(), sum(sizes) + need, 4096)
+        layers, kv_heads, head_dim = self._geometry
+        like = self._model.get_input_embeddings().weight  # the store's dtype and device
+
+        def new() -> torch.Tensor:
+            if self.head_major:  # [S, KV, D] views of [KV, S, D] buffers
+                return like.new_zeros((kv_heads, cap, head_dim)).transpose(0, 1)
+            return like.new_zeros((cap, kv_heads, head_dim))
+
+        store = [(new(), new()) for _ in range(layers)]
+        starts, pos = [], 0
+        for old, n, size in zip(self._start.tolist(), self._next_pos.tolist(), sizes,
+                                strict=True):
+            for (k, v), (nk, nv) in zip(self._store, store, strict=True):
+                nk[pos : pos + n] = k[old : old + n]
+                nv[pos : pos + n] = v[old : old + n]
+            starts.append(pos)
+            pos += size
+        self._store, self._used = store, pos
+        self._start = torch.tensor(starts, dtype=torch.long, device=self._device)
+
+    def _prefill(
+        self,
+        requests: Sequence[SequenceRequest],
+        budgets: list[int],
+        hits: Sequence[tuple[int, Any]],
+    ) -> Any:
+        """Reserve each prompt's region, copy its cached prefix (hits) into the region's
+        first slots, and run the rest."""
+        import torch
+
+        lengths = [len(r.prompt) for r in requests]
+        self._reserve(sum(lengths) + sum(budgets))
+        starts, pos = [], self._used
+        for n, b in zip(lengths, budgets, strict=True):
+            starts.append(pos)
+            pos += n + b
+        self._used = pos
+        for s, (c, kv) in zip(starts, hits, strict=True):
+            if c:
+                for (k, v), (ck, cv) in zip(self._store, kv, strict=True):
+                    k[s : s + c] = ck[:c]
+                    v[s : s + c] = cv[:c]
+        dev = self._device
+        starts_R = torch.tensor(starts, dtype=torch.long, device=dev)
+        ids_T = torch.tensor([t for r, (c, _) in zip(requests, hits, strict=True)
+                              for t in r.prompt[c:]], dtype=torch.long, device=dev)
+        pos_T = torch.cat([torch.arange(c, n, device=dev)
+                           for n, (c, _) in zip(lengths, hits, strict=True)])
+        row_T = torch.cat([torch.full((n - c,), i, device=dev)
+                           for i, (n, (c, _)) in enumerate(zip(lengths, hits, strict=True))])
+        last = torch.tensor([n - c for n, (c, _) in zip(lengths, hits, strict=True)],
+                            device=dev).cumsum(0) - 1
+        logits = self._run(ids_T, pos_T, row_T, starts_R, last)
+        self._start = torch.cat([self._start, starts_R])
+        return logits
+
+    def _decode(self) -> Any:
+        import torch
+
+        rows = torch.arange(len(self._rows), device=self._device)
+        return self._run(self._last, self._next_pos, rows, self._start, rows)
+
+    def _keep(self, sel: Any) -> None:
+        self._start = self._start[sel]
+
+    def _extract(self, row: int, n: int) -> tuple[Any, int]:
+        """Per layer (keys, values) of row `row`'s first n slots, [n, kv heads, head dim]."""
+        s = int(self._start[row])
+        kv = [(k[s : s + n].clone(), v[s : s + n].clone()) for k, v in self._store]
+        return kv, sum(2 * k.nelement() * k.element_size() for k, _ in kv)
