@@ -6,8 +6,10 @@ retiring, the prefix cache) and replaces its KV cache: per layer one zero-filled
 slots ([S, KV heads, head dim] for keys and for values), each sequence owning a region of
 prompt + budget slots from `_start[row]`, written as it goes. A query token reads its
 keys by slot, so nothing is padded, merged or copied when sequences join or leave;
-regions of retired rows are reclaimed when the store fills (the live regions are copied,
-packed, to a new store at least twice as large).
+regions of retired rows are reclaimed when the store fills: the live regions are
+copied, packed, to a new store twice the size of what they and the new ones take (so
+the store follows the live sequences, growing or shrinking, and a move is amortized
+over as many slots as it copies).
 
 Prefill and decode are one operation on a flat list of tokens (`_run`): each token with
 its id, position and row; a prefill's are a prompt's tokens after its cached prefix, a
@@ -77,7 +79,9 @@ class RegionBatch(DecodeBatch):
             return
         sizes = [int(p) - len(r.output_ids) + 1 + r.budget
                  for p, r in zip(self._next_pos.tolist(), self._rows, strict=True)]
-        cap = max(2 * self._capacity(), sum(sizes) + need, 4096)
+        # twice what the live regions and the new ones take: as many slots free as used
+        # after the move, whatever the store's size was (it shrinks after a busy spell)
+        cap = max(2 * (sum(sizes) + need), 4096)
         layers, kv_heads, head_dim = self._geometry
         like = self._model.get_input_embeddings().weight  # the store's dtype and device
 
