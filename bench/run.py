@@ -80,6 +80,7 @@ def run_seed(config: Path | None, seed: int, out: Path, reuse: bool = False) -> 
         "minutes": summary["minutes"],
         "wall_minutes": round((time.perf_counter() - t0) / 60, 2),
         "sessions": summary["sessions"],
+        "peak_rss_mb": summary.get("peak_rss_mb"),
         "verify_ok": summary["verify_ok"],
         "drift_tokens": summary["drift_tokens"],
         "run_dir": str(out),

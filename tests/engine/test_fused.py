@@ -208,6 +208,14 @@ def test_the_store_follows_the_live_sequences(tiny: Any) -> None:
         batch.pop_finished()
         sizes.add(int(batch._store[0][0].shape[0]))
     assert batch._used > 0 and sizes == {4096}  # 160 x 72 slots went through it
+    while len(batch):  # emptied, then more than the store holds joins at once
+        batch.step()
+        batch.pop_finished()
+    many = [SequenceRequest(tuple((i + t) % vocab for t in range(60)),
+                            SamplingParams(max_tokens=12), seed=i) for i in range(64)]
+    batch.admit(many, list(range(64)))
+    assert batch._used == 64 * 72 and batch._capacity() == 2 * 64 * 72
+    batch.step()
 
 
 def test_fast_decoder_follows_weight_updates(tiny_dir: Path) -> None:

@@ -32,6 +32,7 @@ def test_loop_connects_every_piece(tmp_path: Path) -> None:
     summary = run(parse_config(small_config(rl={"kl_coef": 0.05})), out)
     assert summary["steps"] == 2 and summary["policy_version"] == 3  # warm start + 2 steps
     assert summary["drift_tokens"] == 0 and summary["verify_ok"]
+    assert summary["peak_rss_mb"] > 200  # torch, a model and an engine at least
     curve = summary["heldout_curve"]  # start (step 0) and end (step 2) evaluations
     assert [step for step, _ in curve] == [0, 2]
     assert (curve[0][1], curve[-1][1]) == (summary["success_rate_start"],

@@ -90,17 +90,26 @@ class RegionBatch(DecodeBatch):
                 return like.new_zeros((kv_heads, cap, head_dim)).transpose(0, 1)
             return like.new_zeros((cap, kv_heads, head_dim))
 
-        store = [(new(), new()) for _ in range(layers)]
-        starts, pos = [], 0
+        moves, pos = [], 0  # (old start, new start, slots written) per live region
         for old, n, size in zip(self._start.tolist(), self._next_pos.tolist(), sizes,
                                 strict=True):
-            for (k, v), (nk, nv) in zip(self._store, store, strict=True):
-                nk[pos : pos + n] = k[old : old + n]
-                nv[pos : pos + n] = v[old : old + n]
-            starts.append(pos)
+            moves.append((old, pos, n))
             pos += size
-        self._store, self._used = store, pos
-        self._start = torch.tensor(starts, dtype=torch.long, device=self._device)
+        if not moves:  # nothing live to keep
+            self._store = []
+            self._store = [(new(), new()) for _ in range(layers)]
+        # else a layer at a time, the old layer freed before the next is made: the move
+        # holds the new store and one old layer, not both stores whole
+        for i, (k, v) in enumerate(self._store if moves else ()):
+            nk, nv = new(), new()
+            for old, at, n in moves:
+                nk[at : at + n] = k[old : old + n]
+                nv[at : at + n] = v[old : old + n]
+            self._store[i] = (nk, nv)
+            del k, v
+        self._used = pos
+        self._start = torch.tensor([at for _, at, _ in moves], dtype=torch.long,
+                                   device=self._device)
 
     def _prefill(
         self,

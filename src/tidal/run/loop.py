@@ -66,6 +66,7 @@ from tidal.run.stack import build_stack
 from tidal.run.stop import deferred
 from tidal.schedule.curriculum import record_groups, sample_batch
 from tidal.schedule.scheduler import Sample
+from tidal.train.distributed import peak_memory_mb
 from tidal.train.group import TrainerGroup, TrainerRankError, WarmStartPlan, write_checkpoint
 from tidal.train.warmstart import render_all
 from tidal.tree import (
@@ -548,6 +549,8 @@ def summarize(parts: Parts, state: RunState, end: float,
         "policy_version": state.policy_version,
         "heldout_curve": _heldout_curve(parts.run_dir / "metrics.jsonl"),
         "schedule": schedule,
+        # this process's peak resident memory (this attempt's: a resume starts again)
+        "peak_rss_mb": round(peak_memory_mb(torch.device("cpu")), 1),
     }
     (parts.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     parts.log.close()

@@ -51,6 +51,7 @@ from tidal.train.distributed import (
     save_state,
     shard_policy,
 )
+from tidal.train.heap import release_free_heap
 from tidal.train.lora import LoraSpec, apply_lora, merged_state_dict
 from tidal.train.loss import LossConfig
 from tidal.train.trainer import StepMetrics, TargetLM, TreeTrainer
@@ -174,6 +175,7 @@ class RankTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         m = self.trainer.step(trees)
         self.updates += 1
+        release_free_heap()  # the step's freed activations: back to the system
         self.peak_memory_mb = self.ranks.gather_floats(peak_memory_mb(self.device))
         return m
 
@@ -191,6 +193,7 @@ class RankTrainer:
         losses = warm_start(self.model, examples, batches=plan.batches, lr=plan.lr,
                             pad_id=plan.pad_id, on_step=on_step, ranks=self.ranks)
         self.updates += 1
+        release_free_heap()
         return losses
 
     def state_dict(self) -> dict[str, torch.Tensor]:
