@@ -95,18 +95,16 @@ class RegionBatch(DecodeBatch):
                                 strict=True):
             moves.append((old, pos, n))
             pos += size
-        if not moves:  # nothing live to keep
+        if not moves:  # nothing live to keep: the old store goes before the new one
             self._store = []
             self._store = [(new(), new()) for _ in range(layers)]
-        # else a layer at a time, the old layer freed before the next is made: the move
-        # holds the new store and one old layer, not both stores whole
-        for i, (k, v) in enumerate(self._store if moves else ()):
-            nk, nv = new(), new()
-            for old, at, n in moves:
-                nk[at : at + n] = k[old : old + n]
-                nv[at : at + n] = v[old : old + n]
-            self._store[i] = (nk, nv)
-            del k, v
+        else:  # a layer at a time, each old layer freed as its copy replaces it, so the
+            for i, (k, v) in enumerate(self._store):  # two stores are never whole at once
+                nk, nv = new(), new()
+                for old, at, n in moves:
+                    nk[at : at + n] = k[old : old + n]
+                    nv[at : at + n] = v[old : old + n]
+                self._store[i] = (nk, nv)
         self._used = pos
         self._start = torch.tensor([at for _, at, _ in moves], dtype=torch.long,
                                    device=self._device)
