@@ -11,7 +11,8 @@ every token the engine sampled, dynamic sampling's re-rolled groups included
 copy, a server restart on the new checkpoint, or an adapter load); and the held-out
 success at the start and the end (two steps say nothing of learning: it shows the
 variant ran the same task). Then bench/engine_sessions.py, the embedded engine alone on
-shell-skills' shapes, sessions in lockstep and with their starts spread over 1 s, and
+shell-skills' shapes with a step's sessions at once and the config's prefix cache,
+sessions in lockstep and with their starts spread over 1 s, and
 each variant's generated tokens a second over it (issue 53's target: >= 0.8). Prints
 one JSON object.
 
@@ -46,7 +47,8 @@ def variant(base: RunConfig, name: str, steps: int) -> RunConfig:
     raw = base.model_dump(mode="json", exclude_none=True)
     raw["rl"]["steps"] = steps
     raw["eval"]["every"] = steps
-    if name.startswith("vllm"):
+    if name.startswith("vllm"):  # vLLM batches by itself (max_num_seqs: 256 > 64 sessions)
+        raw["engine"].pop("max_batch_size", None)
         raw["engine"].update(kind="vllm", servers=1, vllm_python=str(ROOT / ".venv-vllm" /
                                                                      "bin" / "python"))
     if name == "vllm-lora":
@@ -68,10 +70,14 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             "switch_s": [round(sum(r["switch_s"]), 1) for r in rl]}
 
 
-def engine_sessions(stagger: float) -> float:
+def engine_sessions(base: RunConfig, stagger: float) -> float:
     """bench/engine_sessions.py's tokens a second (the embedded engine alone, on
-    shell-skills' shapes), sessions in lockstep (0) or their starts spread (1 s)."""
+    shell-skills' shapes and the config's batch and prefix cache: a step's sessions at
+    once), sessions in lockstep (0) or their starts spread (1 s)."""
+    n = base.rollout.group_size * base.rollout.tasks_per_step
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_sessions.py"),
+                          "--sessions", str(n), "--concurrent", str(n),
+                          "--prefix-cache-mb", str(base.rollout.prefix_cache_mb),
                           "--stagger", str(stagger)], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
 
@@ -95,7 +101,7 @@ def main() -> None:
         conf.write_text(dump_config(variant(base, name, args.steps)))
         results[name] = summarize(run_seed(conf, args.seed, args.out / name, args.reuse))
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
-    engine = {f"stagger_{st:g}": engine_sessions(st) for st in (0.0, 1.0)}
+    engine = {f"stagger_{st:g}": engine_sessions(base, st) for st in (0.0, 1.0)}
     for r in results.values():  # the run's generated tokens/s over the engine's alone
         r["generated_over_engine_sessions"] = {
             k: [round(x / e, 2) for x in r["generated_tokens_per_s"]] for k, e in engine.items()}

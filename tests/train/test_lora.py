@@ -24,6 +24,7 @@ from tidal.train.lora import (
     LoraError,
     LoraSpec,
     apply_lora,
+    has_lora_dropout,
     lora_dropout,
     merged_state_dict,
     trainable_parameters,
@@ -291,3 +292,23 @@ def test_lora_dropout_only_inside_and_only_when_active() -> None:
     plain = tiny_qwen3(5).eval()
     with lora_dropout(plain, active=True), torch.no_grad():  # no LoRA: nothing to do
         torch.testing.assert_close(plain(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_with_lora_dropout_the_old_logprobs_come_from_the_no_grad_pass() -> None:
+    """With dropout in the adapters the gradient pass's log-probabilities are not the
+    no-grad pass's, so the trainer keeps both passes (`one_pass` is not enough): the
+    mismatch it reports is the rollout's against the dropout-free model."""
+    model = _lora(tiny_qwen3, 6, LoraSpec(r=4, alpha=8.0, dropout=0.5))
+    assert has_lora_dropout(model)
+    assert not has_lora_dropout(_lora(tiny_qwen3, 6)) and not has_lora_dropout(tiny_qwen3(6))
+    rng = np.random.default_rng(6)
+    trees = [random_tree(rng, f"e{i}", n_segments=int(rng.integers(2, 9))) for i in range(3)]
+    enable_tree_attention(model)
+    batch = pack_trees(trees, 10_000)
+    true = recompute_logprobs(model, batch)
+    rollout = true + 0.3 * torch.randn(true.shape, generator=torch.Generator().manual_seed(6))
+    trees = with_rollout(trees, batch.to_segment_arrays(rollout.numpy()))
+    trainer = TreeTrainer(model, torch.optim.SGD(trainable_parameters(model), lr=0.0),
+                          LossConfig(correction="tis"), merge=False)
+    m = trainer.step(trees)
+    assert m.token_kl == pytest.approx(float((rollout - true).double().mean()), rel=1e-5)

@@ -13,7 +13,16 @@ from tests.train.conftest import tiny_qwen3, with_rollout
 from tests.train.synthetic import random_tree
 from tidal.train.loss import LossConfig, path_logprobs, per_path_loss
 from tidal.train.packing import TreeTrainingError, pack_trees
-from tidal.train.trainer import StepMetrics, TreeTrainer, recompute_logprobs
+from tidal.train.trainer import (
+    KVCache,
+    StepMetrics,
+    TreeTrainer,
+    build_pair_terms,
+    mismatch_metrics,
+    one_pass,
+    recompute_logprobs,
+    tree_loss_backward,
+)
 from tidal.tree.types import TrainTree
 
 
@@ -188,3 +197,37 @@ def test_a_rank_loads_its_kl_reference_from_a_checkpoint() -> None:
     other.set_reference(str(ensure_tiny(seed=1)))
     moved = other.step(trees)
     assert moved.ref_kl != 0.0 and moved.loss != pytest.approx(plain.loss, rel=1e-3)
+
+
+@pytest.mark.parametrize("correction", ["tis", "none"])
+@pytest.mark.parametrize("max_tokens", [10_000, 13])
+def test_one_pass_step_equals_the_two_pass_step(correction: str, max_tokens: int) -> None:
+    """A mask-free token-level correction skips the no-grad pass (`one_pass`): the old
+    log-probabilities are the grad pass's own, detached. The update and the mismatch
+    metrics are those of a no-grad pass followed by the grad pass, bit for bit, with
+    unpartitioned trees (max_tokens 10_000) and partitioned ones (13), whose no-grad pass
+    still runs for their keys/values."""
+    model, trees, _ = _setup(6)
+    ref = copy.deepcopy(model)
+    cfg = LossConfig(correction=correction, C=1.2)  # type: ignore[arg-type]
+    assert one_pass(cfg) and not one_pass(LossConfig(correction="mis"))
+    m = TreeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5), cfg,
+                    max_tokens=max_tokens, max_grad_norm=None, merge=False).step(trees)
+
+    batch = pack_trees(trees, max_tokens)
+    assert (max_tokens == 13) == any(s.partition is not None for s in batch.streams)
+    cache = KVCache()
+    old = recompute_logprobs(ref, batch, kv_cache=cache)
+    terms = build_pair_terms(batch, old, cfg)
+    loss, clip = tree_loss_backward(ref, batch, terms, cfg, cache)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    assert m.loss == loss and m.ppo_clip_fraction == clip == 0.0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    direct = mismatch_metrics(batch, terms, cfg)
+    assert direct["token_kl"] != 0.0
+    assert {k: getattr(m, k) for k in direct} == direct
+
+    with pytest.raises(ValueError, match="'mis' masks pairs"):
+        terms.set_old(batch.streams[0], 0, old[: batch.streams[0].n_targets],
+                      LossConfig(correction="mis"))

@@ -277,18 +277,29 @@ def _refuse_tied(
             )
 
 
-@contextmanager
-def lora_dropout(model: nn.Module, active: bool) -> Iterator[None]:
-    """Inside, every LoRA dropout module is in train mode if `active`, else in eval mode
-    (whatever the rest of the model's mode); their modes are restored after. A no-op
-    for models without LoRA or with `dropout = 0` (peft then uses an Identity)."""
-    drops = [
+def _dropouts(model: nn.Module) -> list[nn.Dropout]:
+    """The LoRA adapters' dropout modules (none with `dropout = 0`: peft's Identity)."""
+    return [
         d
         for name, m in model.named_modules()
         if isinstance(m, nn.ModuleDict) and name.rsplit(".", 1)[-1] == "lora_dropout"
         for d in m.values()
         if isinstance(d, nn.Dropout)
     ]
+
+
+def has_lora_dropout(model: nn.Module) -> bool:
+    """Whether the gradient pass runs dropout (`lora_dropout`), so that its log-probabilities
+    differ from the no-grad pass's."""
+    return any(d.p > 0 for d in _dropouts(model))
+
+
+@contextmanager
+def lora_dropout(model: nn.Module, active: bool) -> Iterator[None]:
+    """Inside, every LoRA dropout module is in train mode if `active`, else in eval mode
+    (whatever the rest of the model's mode); their modes are restored after. A no-op
+    for models without LoRA or with `dropout = 0` (peft then uses an Identity)."""
+    drops = _dropouts(model)
     before = [d.training for d in drops]
     for d in drops:
         d.training = active

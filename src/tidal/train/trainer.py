@@ -5,7 +5,11 @@
    it off), then `pack_trees` (DFS streams, several trees per stream, big trees
    partitioned);
 2. `recompute_logprobs` without gradient (the trainer's pre-update log-probabilities),
-   capturing per-layer keys/values of partitioned trees;
+   capturing per-layer keys/values of partitioned trees. With a correction that masks
+   nothing ("none", "tis": `one_pass`) and no LoRA dropout, only partitioned trees take
+   this pass; the others' old log-probabilities are step 4's own, detached (one optimizer
+   step per batch makes them the same numbers, bit for bit), which saves a forward of
+   every such stream;
 3. importance correction against the engine's rollout log-probabilities, the loss
    denominators D_g over the whole batch, mismatch metrics;
 4. one forward + backward per stream, in reverse stream order. A partition's ancestor
@@ -61,8 +65,8 @@ import torch
 from tidal.engine.consistent import ConsistentModel, stream_key_lists
 from tidal.train.attention import StreamPlan, enable_tree_attention
 from tidal.train.distributed import Ranks, assign_trees
-from tidal.train.lora import lora_dropout
-from tidal.train.loss import LossConfig, pair_correction, pair_loss
+from tidal.train.lora import has_lora_dropout, lora_dropout
+from tidal.train.loss import LossConfig, pair_correction, pair_loss, token_correction
 from tidal.train.merge import merge_trees
 from tidal.train.packing import PackedBatch, PackedStream, pack_trees
 from tidal.tree.types import Branch, Segment, TrainTree
@@ -236,11 +240,13 @@ def recompute_logprobs(
     attention: str = "auto",
     max_mask_bytes: int = DEFAULT_MAX_MASK_BYTES,
     kv_cache: KVCache | None = None,
+    streams: Sequence[PackedStream] | None = None,
 ) -> torch.Tensor:
     """Trainer log-probabilities [N] of every target, without gradient (global order).
 
     Partitioned trees always go through a K/V cache (a fresh one when none is given);
-    pass `kv_cache` to keep it for a backward pass.
+    pass `kv_cache` to keep it for a backward pass. `streams` (default: all of the
+    batch's) are the ones computed; the others' targets read 0.
     """
     enable_tree_attention(_lm(model))
     dev = next(model.parameters()).device
@@ -248,7 +254,7 @@ def recompute_logprobs(
     n_layers = _n_layers(model)
     out = torch.zeros(batch.n_targets, device=dev)
     with torch.no_grad():
-        for st in batch.streams:
+        for st in batch.streams if streams is None else streams:
             ctx = cache.context(st, n_layers, False) if st.n_context else None
             plan = _plan(st, dev, attention, max_mask_bytes, ctx)
             lp = stream_logprobs(model, plan)
@@ -304,6 +310,32 @@ class PairTerms:
     delta_N: torch.Tensor
     pair_target_P: torch.Tensor  # global target index
     pair_branch_P: torch.Tensor
+    rollout_N: torch.Tensor
+
+    def set_old(self, st: PackedStream, pair_offset: int, old_N: torch.Tensor,
+                cfg: LossConfig) -> None:
+        """One stream's old log-probabilities given after the terms were built (the grad
+        pass's own, detached: `one_pass`), with its pairs' token-level weights. The
+        correction must be mask-free (`one_pass`), so that no D_g depends on them."""
+        tgt = slice(st.target_offset, st.target_offset + st.n_targets)
+        self.old_N[tgt] = old_N
+        self.delta_N[tgt] = old_N - self.rollout_N[tgt]
+        sl = slice(pair_offset, pair_offset + st.pair_target_P.shape[0])
+        tok = token_correction(self.delta_N[tgt], cfg)
+        if tok is None or not one_pass(cfg):
+            raise ValueError(f"correction {cfg.correction!r} masks pairs or acts per sequence: "
+                             "the old log-probabilities must come before the terms")
+        self.w_P[sl] = tok[0][self.pair_target_P[sl] - st.target_offset]
+
+
+def one_pass(cfg: LossConfig) -> bool:
+    """Whether a step can skip the no-grad pass and read the old log-probabilities off the
+    grad pass (detached). With one optimizer step per batch they are the same numbers,
+    and a correction that masks nothing ("none", "tis") leaves every D_g independent of
+    them, so the batch-wide terms are known before any stream's forward. Partitioned
+    trees still take the no-grad pass, which caches the keys/values their later
+    partitions attend to."""
+    return cfg.correction in ("none", "tis")
 
 
 def build_pair_terms(
@@ -349,6 +381,7 @@ def build_pair_terms(
         delta_N=delta,
         pair_target_P=tgt,
         pair_branch_P=br,
+        rollout_N=roll,
     )
 
 
@@ -375,8 +408,13 @@ def tree_loss_backward(
     *,
     attention: str = "auto",
     max_mask_bytes: int = DEFAULT_MAX_MASK_BYTES,
+    set_old: bool = False,
 ) -> tuple[float, float]:
-    """Accumulate the batch loss gradient into the model; returns (loss, ppo clip frac)."""
+    """Accumulate the batch loss gradient into the model; returns (loss, ppo clip frac).
+
+    `set_old` (`one_pass`): the old log-probabilities of the streams of unpartitioned
+    trees are this pass's own, detached, written into `terms` before each stream's loss.
+    """
     dev = next(model.parameters()).device
     n_layers = _n_layers(model)
     offsets = np.concatenate([[0], np.cumsum([s.pair_target_P.shape[0] for s in batch.streams])])
@@ -387,6 +425,8 @@ def tree_loss_backward(
         ctx = kv_cache.context(st, n_layers, True) if st.n_context else None
         plan = _plan(st, dev, attention, max_mask_bytes, ctx)
         new_N = stream_logprobs(model, plan)
+        if set_old and st.partition is None:
+            terms.set_old(st, int(offsets[si]), new_N.detach(), cfg)
         loss, clip_P = stream_loss(new_N, st, terms, int(offsets[si]), cfg)
         tensors: list[torch.Tensor] = [loss]
         grads: list[torch.Tensor] = [torch.ones_like(loss)]
@@ -557,6 +597,9 @@ class TreeTrainer:
             mine = merge_trees(mine, self.max_tokens)
         batch = pack_trees(mine or [idle_tree(groups[0])], self.max_tokens)
         n_passes = ranks.max_int(len(batch.streams))
+        fused = one_pass(self.cfg) and not has_lora_dropout(self.model)
+        nograd = [s for s in batch.streams if not fused or s.partition is not None]
+        n_nograd = ranks.max_int(len(nograd))  # before any forward: collectives in one order
         cache = KVCache()
         old = recompute_logprobs(
             self.model,
@@ -564,15 +607,15 @@ class TreeTrainer:
             attention=self.attention,
             max_mask_bytes=self.max_mask_bytes,
             kv_cache=cache,
+            streams=nograd,
         )
-        self._idle(batch, n_passes - len(batch.streams), grad=False)
+        self._idle(batch, n_nograd - len(nograd), grad=False)
         ref = None
         if self.cfg.kl_coef and self.ref_model is not None:
             ref = recompute_logprobs(
                 self.ref_model, batch, attention=self.attention, max_mask_bytes=self.max_mask_bytes
             )
         terms = build_pair_terms(batch, old, self.cfg, ref, groups=groups, ranks=ranks)
-        ref_kl = float((old - ref).double().mean()) if ref is not None and old.numel() else 0.0
         self.optimizer.zero_grad(set_to_none=True)
         with lora_dropout(self.model, True):  # LoRA's dropout, if any, in this pass only
             loss, clip_frac = tree_loss_backward(
@@ -583,8 +626,10 @@ class TreeTrainer:
                 cache,
                 attention=self.attention,
                 max_mask_bytes=self.max_mask_bytes,
+                set_old=fused,
             )
             self._idle(batch, n_passes - len(batch.streams), grad=True)
+        ref_kl = float((old - ref).double().mean()) if ref is not None and old.numel() else 0.0
         grad_norm = float("nan")
         if self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(
