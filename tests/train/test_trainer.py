@@ -228,6 +228,8 @@ def test_one_pass_step_equals_the_two_pass_step(correction: str, max_tokens: int
     assert direct["token_kl"] != 0.0
     assert {k: getattr(m, k) for k in direct} == direct
 
+    kept = (terms.old_N.clone(), terms.w_P.clone())
     with pytest.raises(ValueError, match="'mis' masks pairs"):
-        terms.set_old(batch.streams[0], 0, old[: batch.streams[0].n_targets],
+        terms.set_old(batch.streams[0], 0, old[: batch.streams[0].n_targets] + 1.0,
                       LossConfig(correction="mis"))
+    assert torch.equal(terms.old_N, kept[0]) and torch.equal(terms.w_P, kept[1])  # untouched

@@ -317,14 +317,15 @@ class PairTerms:
         """One stream's old log-probabilities given after the terms were built (the grad
         pass's own, detached: `one_pass`), with its pairs' token-level weights. The
         correction must be mask-free (`one_pass`), so that no D_g depends on them."""
+        if not one_pass(cfg):  # checked before anything is written
+            raise ValueError(f"correction {cfg.correction!r} masks pairs or acts per sequence: "
+                             "the old log-probabilities must come before the terms")
         tgt = slice(st.target_offset, st.target_offset + st.n_targets)
         self.old_N[tgt] = old_N
         self.delta_N[tgt] = old_N - self.rollout_N[tgt]
-        sl = slice(pair_offset, pair_offset + st.pair_target_P.shape[0])
         tok = token_correction(self.delta_N[tgt], cfg)
-        if tok is None or not one_pass(cfg):
-            raise ValueError(f"correction {cfg.correction!r} masks pairs or acts per sequence: "
-                             "the old log-probabilities must come before the terms")
+        assert tok is not None  # one_pass: a token-level correction
+        sl = slice(pair_offset, pair_offset + st.pair_target_P.shape[0])
         self.w_P[sl] = tok[0][self.pair_target_P[sl] - st.target_offset]
 
 
