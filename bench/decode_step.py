@@ -36,6 +36,7 @@ may be shared).
 
     .venv/bin/python bench/decode_step.py [--model smollm2-135m] [--batch 16] [--context 800]
     .venv/bin/python bench/decode_step.py --compare /tmp/old_a07c393/src [--repeat 3]
+    .venv/bin/python bench/decode_step.py --compare src --matmul-dtype bfloat16 --kv-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -125,11 +126,17 @@ class Bench:
         self.args = args
         self.tree = str(Path(tidal.__file__).resolve().parents[1])
         self.model = load_policy_model(resolve_model(args.model))
+        if "bfloat16" in (args.matmul_dtype, args.kv_dtype):  # this tree (an older one: fp32)
+            from tidal.engine.fused import fast_decoder
+
+            bf16 = {"bfloat16": torch.bfloat16, "float32": None}
+            fast_decoder(self.model, matmul_dtype=bf16[args.matmul_dtype],
+                         kv_dtype=bf16[args.kv_dtype])
         self.batch: Any = None
         self._warm_up()
         self.prefill_tps: list[float] = []
-        self.times: dict[str, list[float]] = {k: [] for k in
-                                              ("step", "linear", "attention", "sampling", "big")}
+        self.times: dict[str, list[float]] = {k: [] for k in ("step", "linear", "attention",
+                                                              "sampling", "big", "big_bf16")}
 
     def _warm_up(self) -> None:
         """A process's first forwards pay one-time costs (kernel set-up, first
@@ -180,6 +187,7 @@ class Bench:
         gens = [torch.Generator().manual_seed(i) for i in range(n)]
         ones = torch.ones(n)
         a, b = torch.randn(BIG, BIG), torch.randn(BIG, BIG)
+        a16, b16 = a.bfloat16(), b.bfloat16()
 
         kernel = _attention_kernel()
 
@@ -218,9 +226,11 @@ class Bench:
                 t["sampling"].append(_seconds(sampling))
                 if i % 4 == 0:
                     t["big"].append(_seconds(lambda: a @ b))
+                    if self.args.matmul_dtype == "bfloat16":
+                        t["big_bf16"].append(_seconds(lambda: a16 @ b16))
 
     def report(self) -> dict[str, Any]:
-        med = {k: statistics.median(v) for k, v in self.times.items()}
+        med = {k: statistics.median(v) for k, v in self.times.items() if v}
         step, linear = med["step"], med["linear"]
         big_gflops = 2 * BIG**3 / med["big"] / 1e9
         linear_gflops = self.linear_flops / linear / 1e9
@@ -237,6 +247,11 @@ class Bench:
             "linear_gflops": round(linear_gflops, 1),
             "big_matmul_gflops": round(big_gflops, 1),
             "linear_vs_big_matmul": round(linear_gflops / big_gflops, 3),
+            "matmul_dtype": args.matmul_dtype, "kv_dtype": args.kv_dtype,
+            **({"big_matmul_bf16_gflops": round(2 * BIG**3 / med["big_bf16"] / 1e9, 1),
+                "linear_vs_big_bf16_matmul": round(
+                    linear_gflops * med["big_bf16"] / (2 * BIG**3 / 1e9), 3)}
+               if self.times["big_bf16"] else {}),
             "attention_ms": round(med["attention"] * ms, 1),
             "sampling_ms": round(med["sampling"] * ms, 1),
             "other_ms": round((step - linear - med["attention"] - med["sampling"]) * ms, 1),
@@ -268,7 +283,11 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
              "--batch", str(args.batch), "--context", str(args.context),
              "--steps", str(args.steps), "--rounds", str(args.rounds),
              "--threads", str(args.threads), *(["--ragged"] if args.ragged else [])]
-    procs = {name: subprocess.Popen(child, env={**os.environ, "PYTHONPATH": src}, text=True,
+    # --matmul-dtype and --kv-dtype are the new tree's (an older one runs fp32): `--compare
+    # src --matmul-dtype bfloat16` measures this tree's fp32 step against its bf16 one
+    dtype = {"old": [], "new": ["--matmul-dtype", args.matmul_dtype, "--kv-dtype", args.kv_dtype]}
+    procs = {name: subprocess.Popen([*child, *dtype[name]],
+                                    env={**os.environ, "PYTHONPATH": src}, text=True,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL)
              for name, src in trees.items()}
@@ -317,6 +336,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ragged", action="store_true",
                     help="prompt lengths spread over [T/2, T]: a padded, masked batch")
+    ap.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the linear layers' dtype (engine.matmul_dtype; with --compare, the "
+                    "new tree's), and for bfloat16 a 2048^3 bf16 matmul's rate beside fp32's")
+    ap.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the KV store's dtype (engine.kv_dtype; with --compare, the new tree's)")
     ap.add_argument("--compare", metavar="OLD_SRC",
                     help="measure the tree at OLD_SRC against this one, side by side")
     ap.add_argument("--repeat", type=int, default=3, help="prefills per tree (--compare)")

@@ -48,7 +48,8 @@ def variant(base: RunConfig, name: str, steps: int) -> RunConfig:
     raw["rl"]["steps"] = steps
     raw["eval"]["every"] = steps
     if name.startswith("vllm"):  # vLLM batches by itself (max_num_seqs: 256 > 64 sessions)
-        raw["engine"].pop("max_batch_size", None)
+        for key in ("max_batch_size", "matmul_dtype", "kv_dtype"):  # the embedded engine's
+            raw["engine"].pop(key, None)
         raw["engine"].update(kind="vllm", servers=1, vllm_python=str(ROOT / ".venv-vllm" /
                                                                      "bin" / "python"))
     if name == "vllm-lora":
@@ -72,12 +73,14 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 
 def engine_sessions(base: RunConfig, stagger: float) -> float:
     """bench/engine_sessions.py's tokens a second (the embedded engine alone, on
-    shell-skills' shapes and the config's batch and prefix cache: a step's sessions at
-    once), sessions in lockstep (0) or their starts spread (1 s)."""
+    shell-skills' shapes and the config's batch, prefix cache and dtypes: a step's
+    sessions at once), sessions in lockstep (0) or their starts spread (1 s)."""
     n = base.rollout.group_size * base.rollout.tasks_per_step
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_sessions.py"),
                           "--sessions", str(n), "--concurrent", str(n),
                           "--prefix-cache-mb", str(base.rollout.prefix_cache_mb),
+                          "--matmul-dtype", base.engine.matmul_dtype,
+                          "--kv-dtype", base.engine.kv_dtype,
                           "--stagger", str(stagger)], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
 

@@ -47,12 +47,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix-cache-mb", type=float, default=256.0,
                     help="the engine's prefix cache (a run's rollout.prefix_cache_mb)")
+    ap.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the engine's matmul_dtype (a run's engine.matmul_dtype)")
+    ap.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the engine's kv_dtype (a run's engine.kv_dtype)")
     ap.add_argument("--stagger", type=float, default=0.0,
                     help="seconds between sessions' starts (0: all at once)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     eng = EmbeddedEngine(resolve_model(args.model), max_batch_size=args.concurrent, seed=0,
-                         prefix_cache_mb=args.prefix_cache_mb)
+                         prefix_cache_mb=args.prefix_cache_mb, matmul_dtype=args.matmul_dtype,
+                         kv_dtype=args.kv_dtype)
     rng = random.Random(0)
     system = [rng.randrange(1000, 9000) for _ in range(args.system)]
 

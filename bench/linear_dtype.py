@@ -4,9 +4,9 @@ Per layer the fused q/k/v (576 -> 960), o (576 -> 576), fused gate/up (576 -> 30
 down (1536 -> 576) projections, 30 layers, random weights, `torch.nn.functional.linear`
 (oneDNN; bf16 where this CPU has AVX512_BF16 or AMX), at 16 and 64 rows: the median
 time of a step's layers and their FLOP rate, beside this machine's 2048^3 fp32 matmul
-rate. A measurement for the engine's linear-layer target (docs/engine.md); the engine
-itself stays fp32, since bf16 weights change the log-probabilities the trainer must
-reproduce. Prints one JSON object.
+rate. A measurement for the engine's linear-layer target (docs/engine.md); the engine runs
+its own linear layers in bf16 with `engine.matmul_dtype = "bfloat16"` (measured in place
+by `bench/decode_step.py --matmul-dtype bfloat16`). Prints one JSON object.
 
     .venv/bin/python bench/linear_dtype.py [--threads 2] [--repeats 20]
 """

@@ -15,23 +15,26 @@ def fn() -> Kernel:
     return built
 
 
+@pytest.mark.parametrize("store", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv", "dim"), [
     (9, 3, 64), (14, 2, 64), (8, 1, 128), (4, 4, 128),  # the intrinsics path (with AVX2)
     (18, 2, 64), (4, 4, 32), (14, 2, 48), (2, 1, 8),  # the plain loops
 ])
-def test_agrees_with_sdpa(fn: Kernel, heads: int, kv: int, dim: int) -> None:
+def test_agrees_with_sdpa(fn: Kernel, heads: int, kv: int, dim: int,
+                          store: torch.dtype) -> None:
     """Tokens of a prefill (one sequence, lengths 1..5: causal), decode tokens of other
-    sequences, regions of lengths that are and are not multiples of 4."""
+    sequences, regions of lengths that are and are not multiples of 4; over an fp32 store
+    and a bf16 one (read as SDPA over the same values in fp32: widening is exact)."""
     gen = torch.Generator().manual_seed(heads * 100 + dim)
     S = 200
     starts = torch.tensor([0, 0, 0, 0, 0, 40, 90, 150])
     lengths = torch.tensor([1, 2, 3, 4, 5, 47, 53, 50])
     q = torch.randn(len(starts), heads, dim, generator=gen) * 2
-    k = torch.randn(S, kv, dim, generator=gen)
-    v = torch.randn(S, kv, dim, generator=gen)
+    k = torch.randn(S, kv, dim, generator=gen).to(store)
+    v = torch.randn(S, kv, dim, generator=gen).to(store)
     got = fn(q, k, v, starts, lengths, dim**-0.5)
-    want = reference(q, k, v, starts, lengths, dim**-0.5)
-    assert got.shape == (len(starts), heads, dim)
+    want = reference(q, k.float(), v.float(), starts, lengths, dim**-0.5)
+    assert got.shape == (len(starts), heads, dim) and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-5, atol=2e-6), (got - want).abs().max()
     # slots outside a token's region do not count, whatever they hold
     k2, v2 = k.clone(), v.clone()
@@ -57,6 +60,8 @@ def test_bad_shapes_are_named(fn: Kernel) -> None:
         fn(torch.randn(2, 8, 64), k, k, starts, lengths, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         fn(q.double(), k.double(), k.double(), starts, lengths, 1.0)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        fn(q, k, k.bfloat16(), starts, lengths, 1.0)
     with pytest.raises(RuntimeError, match=r"starts and lengths must be int64 \[N\]"):
         fn(q, k, k, starts.int(), lengths, 1.0)
     with pytest.raises(RuntimeError, match=r"token 1 reads slots \[2, 11\) of a store of 10"):

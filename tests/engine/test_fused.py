@@ -312,3 +312,106 @@ def test_rotary_table_is_the_models_rotary(tiny: Any) -> None:
     cos, sin = decoder._cos_sin(positions)
     torch.testing.assert_close(cos, cos_ref[:, 0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(sin, sin_ref[:, 0], rtol=1e-6, atol=1e-6)
+
+
+BF16 = pytest.mark.skipif(not fused.bf16_matmuls(),
+                          reason="oneDNN runs no bf16 matmuls on this CPU (it needs AVX-512)")
+
+
+@BF16
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_bf16_linear_is_the_product_of_the_rounded_operands(tiny: Any, packed: bool) -> None:
+    """`Linear(dtype=bf16)` on an fp32 input: the input and the weights (and bias) rounded to
+    bf16, their product accumulated in fp32 and rounded once to bf16, returned in fp32."""
+    attn = tiny.model.layers[0].self_attn
+    lin = fused.Linear([attn.q_proj, attn.k_proj, attn.v_proj], packed=packed,
+                       dtype=torch.bfloat16)
+    assert lin.weight.dtype == torch.bfloat16 and lin.bias is not None
+    assert lin.bias.dtype == torch.bfloat16
+    x = torch.randn(5, lin.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.dtype == torch.float32
+    w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+    b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
+    exact = torch.nn.functional.linear(x.bfloat16().double(), w.bfloat16().double(),
+                                       b.bfloat16().double())
+    # one bf16 rounding of the fp32 sum (8 bits: within 2^-8 relative), never the fp32 sum
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+    assert torch.equal(got, got.bfloat16().float())
+    assert not torch.equal(got, torch.nn.functional.linear(x, w, b))
+
+
+@BF16
+def test_bf16_matmuls_in_the_engine(tiny_dir: Path) -> None:
+    """`EmbeddedEngine(matmul_dtype="bfloat16")`: the fast step's linear layers hold bf16
+    weights (kept so by a weight update), and its log-probabilities are a bf16 rounding
+    away from the fp32 forward's, not equal to them (the fp32 engine's are within ATOL:
+    the tests above)."""
+    params = SamplingParams(max_tokens=12, seed=3)
+    with EmbeddedEngine(tiny_dir, matmul_dtype="bfloat16") as eng:
+        decoder = fused.fast_decoder(eng.model)
+        assert decoder is not None and decoder.matmul_dtype == torch.bfloat16
+        assert all(lin.weight.dtype == torch.bfloat16 for lin in decoder.linears())
+        got = eng.generate([PROMPTS[0]], params)[0]
+        ref = forward_logprobs(eng.model, PROMPTS[0], got.output_ids.tolist()).numpy()
+        gap = np.abs(got.logprobs - ref)
+        assert 0 < gap.max() < 0.1, gap
+        state = {k: v.clone() for k, v in eng.model.state_dict().items()}
+        eng.update_weights(Weights.of_state_dict(state), 1)
+        decoder = fused.fast_decoder(eng.model)
+        assert decoder is not None and decoder.matmul_dtype == torch.bfloat16
+        assert all(lin.weight.dtype == torch.bfloat16 for lin in decoder.linears())
+        again = eng.generate([PROMPTS[0]], params)[0]
+        np.testing.assert_array_equal(again.output_ids, got.output_ids)
+        np.testing.assert_allclose(again.logprobs, got.logprobs, atol=ATOL, rtol=0)
+
+
+def test_bf16_matmuls_refused_with_a_reason(tiny_dir: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unknown dtype, bf16 with the consistent numerics, and bf16 on a CPU where oneDNN
+    has no bf16 matmuls are refused by name, before anything runs."""
+    from tidal.engine.base import EngineError
+
+    with pytest.raises(EngineError, match=r"matmul_dtype must be one of .*'float16'"):
+        EmbeddedEngine(tiny_dir, matmul_dtype="float16")
+    with pytest.raises(EngineError, match="matmul_dtype 'bfloat16' is for the standard"):
+        EmbeddedEngine(tiny_dir, matmul_dtype="bfloat16", numerics="consistent")
+    monkeypatch.setattr(fused, "bf16_matmuls", lambda: False)
+    with pytest.raises(EngineError, match="oneDNN runs no bf16 matmuls on this CPU"):
+        EmbeddedEngine(tiny_dir, matmul_dtype="bfloat16")
+
+
+def test_a_bf16_kv_store(tiny_dir: Path) -> None:
+    """`kv_dtype=bf16`: the fast batch's store is bf16 (half the bytes a cached token takes),
+    a continuation read from the prefix cache is what a fresh prefill of the whole history
+    computes (each key and value is rounded once, as written), and the logprobs are a
+    bf16 rounding away from the fp32 forward's, not equal to them. Any CPU: the attention
+    widens what it reads."""
+    model = load_policy_model(tiny_dir)  # its own: the registry's decoder is replaced
+    decoder = fused.fast_decoder(model, kv_dtype=torch.bfloat16)
+    assert decoder is not None and decoder.kv_dtype == torch.bfloat16
+    assert decoder.matmul_dtype == torch.float32
+    prompts = _prompts(model)
+    cache = PrefixCache(64 << 20)
+    got = _run(model, prompts, prefix=cache)
+    batch = FastDecodeBatch(model, max_context=256, pad_id=0)
+    batch.admit([SequenceRequest(tuple(prompts[0]), SamplingParams(max_tokens=20), seed=0)], [0])
+    batch.step()
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in batch._store)
+    gaps = []
+    for i, prompt in enumerate(prompts):
+        ref = forward_logprobs(model, prompt, got[i].output_ids).numpy()
+        gaps.append(np.abs(got[i].logprobs - ref).max())
+    assert 0 < max(gaps) < 0.1, gaps
+    more = [p + got[i].output_ids[:-1] + [7, 8, 9] for i, p in enumerate(prompts)]
+    cached = _run(model, more, steps=5, prefix=cache)
+    fresh = _run(model, more, steps=5)
+    assert sum(cached[i].cached_tokens for i in cached) >= sum(map(len, prompts)) - 5
+    for i in range(len(more)):
+        assert cached[i].output_ids == fresh[i].output_ids
+        np.testing.assert_allclose(cached[i].logprobs, fresh[i].logprobs, atol=ATOL, rtol=0)
+    _, nbytes = batch._extract(0, 10)  # what the prefix cache is charged for 10 tokens
+    config = model.config
+    assert nbytes == 10 * 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        decoder.head_dim) * 2

@@ -251,3 +251,49 @@ def test_the_embedded_engines_batch_cap_is_a_config_key() -> None:
         parse_config({"engine": {"kind": "vllm", "max_batch_size": 48}})
     with pytest.raises(ConfigError, match="max_batch_size"):
         parse_config({"engine": {"max_batch_size": 0}})
+
+
+@pytest.mark.parametrize("key", ["matmul_dtype", "kv_dtype"])
+def test_engine_bf16_keys_are_refused_by_name(key: str) -> None:
+    """`engine.matmul_dtype` and `engine.kv_dtype` are refused by name with another engine
+    kind, with the consistent numerics, and for a dtype they do not know."""
+    with pytest.raises(ConfigError, match=rf"engine.{key} is only used with "
+                                          r"engine.kind = \"embedded\" \(kind is 'vllm'\)"):
+        parse_config({"engine": {"kind": "vllm", key: "bfloat16"}})
+    with pytest.raises(ConfigError, match=r"rl.numerics = \"consistent\" needs "
+                                          rf"engine.{key} = \"float32\""):
+        parse_config({"engine": {key: "bfloat16"}, "rl": {"numerics": "consistent"}})
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"engine": {key: "float16"}})
+
+
+def test_engine_bf16_keys_reach_the_embedded_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`engine.kv_dtype` (any CPU) and `engine.matmul_dtype` (where oneDNN runs bf16)
+    reach the embedded engine's decode step; where this CPU has no bf16 matmuls the
+    engine's refusal names the kind and the reason."""
+    import torch
+
+    from tidal.engine import fused
+    from tidal.engine.embedded import EmbeddedEngine
+    from tidal.engine.tiny import ensure_tiny
+
+    tiny_dir = ensure_tiny()
+    both = fused.bf16_matmuls()
+    cfg = parse_config({"engine": {"kv_dtype": "bfloat16",
+                                   "matmul_dtype": "bfloat16" if both else "float32"}})
+    engine = components.make_engine(cfg, tiny_dir, device="cpu", policy_version=0,
+                                    model_name="m", tokenizer_dir=tiny_dir, run_dir=tiny_dir)
+    try:
+        assert isinstance(engine, EmbeddedEngine)
+        decoder = fused.fast_decoder(engine.model)
+        assert decoder is not None and decoder.kv_dtype == torch.bfloat16
+        assert decoder.matmul_dtype == (torch.bfloat16 if both else torch.float32)
+    finally:
+        engine.close()
+    cfg = parse_config({"engine": {"matmul_dtype": "bfloat16"}})
+    monkeypatch.setattr(fused, "bf16_matmuls", lambda: False)
+    with pytest.raises(names.ComponentError,
+                       match=r"engine.kind = \"embedded\": matmul_dtype bfloat16: oneDNN "
+                             r"runs no bf16 matmuls"):
+        components.make_engine(cfg, tiny_dir, device="cpu", policy_version=0, model_name="m",
+                               tokenizer_dir=tiny_dir, run_dir=tiny_dir)

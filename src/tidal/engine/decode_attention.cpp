@@ -15,13 +15,17 @@
 // heads that share them (G dot products per key row), then its values once, in tiles that
 // stay in L1 while the G heads' sums pass over them. With AVX2 and FMA, head dims 64 and 128
 // and up to 8 query heads per KV head take the intrinsics path below; anything else a plain
-// loop the compiler vectorizes. Built by tidal.engine.decode_attention (-O3 -march=native
-// -ffast-math: the exponentials are glibc's vector expf).
+// loop the compiler vectorizes. The store is fp32 or bf16 (keys and values widened to fp32
+// as they are read: shifted 16 bits left; all arithmetic is fp32 either way). Built by
+// tidal.engine.decode_attention (-O3 -march=native -ffast-math: the exponentials are
+// glibc's vector expf).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -34,18 +38,32 @@ namespace {
 constexpr float kMasked = -1e30f;  // the running max's start (no infinities under fast-math)
 constexpr int64_t kTile = 64;      // value rows per tile (64 x 128 floats: 32 KB)
 
-// One (token, KV head): its G queries, its T keys and values (row strides kst, vst).
+// A bf16 store's element: the high half of an fp32.
+using bf16 = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// One (token, KV head): its G queries, its T keys and values (row strides kst, vst, in
+// elements of the store's type KT: float or bf16).
+template <typename KT>
 struct Head {
   const float* q;
-  const float* k;
-  const float* v;
+  const KT* k;
+  const KT* v;
   int64_t kst, vst;
   int64_t T, G, D;
   float scale;
 };
 
 // s[i * T + t] = exp(s - max_i) and tot[i] = their sum, for scores s already written.
-void softmax_rows(const Head& h, float* s, const float* mx, float* tot) {
+template <typename KT>
+void softmax_rows(const Head<KT>& h, float* s, const float* mx, float* tot) {
   for (int64_t i = 0; i < h.G; ++i) {
     float* si = s + i * h.T;
     const float top = mx[i];
@@ -61,16 +79,17 @@ void softmax_rows(const Head& h, float* s, const float* mx, float* tot) {
 }
 
 // The portable path: any head dim, any group size.
-void plain_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
+template <typename KT>
+void plain_head(const Head<KT>& h, float* s, float* acc, float* mx, float* tot) {
   const int64_t G = h.G, D = h.D, T = h.T;
   std::fill(mx, mx + G, kMasked);
   for (int64_t t = 0; t < T; ++t) {
-    const float* kt = h.k + t * h.kst;
+    const KT* kt = h.k + t * h.kst;
     for (int64_t i = 0; i < G; ++i) {
       const float* qi = h.q + i * D;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < D; ++j) dot += qi[j] * kt[j];
+      for (int64_t j = 0; j < D; ++j) dot += qi[j] * widen(kt[j]);
       const float x = h.scale * dot;
       s[i * T + t] = x;
       mx[i] = std::max(mx[i], x);
@@ -79,12 +98,12 @@ void plain_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
   softmax_rows(h, s, mx, tot);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < T; ++t) {
-    const float* vt = h.v + t * h.vst;
+    const KT* vt = h.v + t * h.vst;
     for (int64_t i = 0; i < G; ++i) {
       const float p = s[i * T + t];
       float* a = acc + i * D;
 #pragma omp simd
-      for (int64_t j = 0; j < D; ++j) a[j] += p * vt[j];
+      for (int64_t j = 0; j < D; ++j) a[j] += p * widen(vt[j]);
     }
   }
 }
@@ -97,20 +116,29 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// 8 elements of a row as 8 floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
 // Rows stream from memory faster when every cache line is asked for ahead of its use: the
 // hardware prefetcher alone left the passes at about half the machine's read rate.
 constexpr int64_t kAhead = 16;  // key rows
-inline void prefetch_rows(const float* row, int64_t stride, int64_t rows, int64_t D) {
+template <typename KT>
+inline void prefetch_rows(const KT* row, int64_t stride, int64_t rows, int64_t D) {
+  constexpr int64_t line = 64 / sizeof(KT);  // elements per cache line
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < D; j += 16) {
+    for (int64_t j = 0; j < D; j += line) {
       _mm_prefetch(reinterpret_cast<const char*>(row + r * stride + j), _MM_HINT_T0);
     }
   }
 }
 
 // Head dim D (a multiple of 16), G query heads (1..8) on one KV head.
-template <int D, int G>
-void avx2_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
+template <int D, int G, typename KT>
+void avx2_head(const Head<KT>& h, float* s, float* acc, float* mx, float* tot) {
   constexpr int C = D / 8;  // 8-float chunks of a row
   const int64_t T = h.T;
   std::fill(mx, mx + G, kMasked);
@@ -118,17 +146,17 @@ void avx2_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
   // sums reduced together (one horizontal add tree for four dot products)
   int64_t t = 0;
   for (; t + 4 <= T; t += 4) {
-    const float* k0 = h.k + t * h.kst;
+    const KT* k0 = h.k + t * h.kst;
     prefetch_rows(k0 + kAhead * h.kst, h.kst, 4, D);
     for (int i = 0; i < G; ++i) {
       const float* qi = h.q + i * D;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int c = 0; c < C; ++c) {
         const __m256 qv = _mm256_loadu_ps(qi + 8 * c);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + h.kst + 8 * c), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * h.kst + 8 * c), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * h.kst + 8 * c), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k0 + h.kst + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * h.kst + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * h.kst + 8 * c), a3);
       }
       // [a0 a1 a2 a3] -> their four sums
       const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
@@ -147,11 +175,11 @@ void avx2_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
     }
   }
   for (; t < T; ++t) {
-    const float* kt = h.k + t * h.kst;
+    const KT* kt = h.k + t * h.kst;
     for (int i = 0; i < G; ++i) {
       __m256 a = _mm256_setzero_ps();
       for (int c = 0; c < C; ++c) {
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(h.q + i * D + 8 * c), _mm256_loadu_ps(kt + 8 * c), a);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(h.q + i * D + 8 * c), load8(kt + 8 * c), a);
       }
       const float x = h.scale * hsum(a);
       s[i * T + t] = x;
@@ -171,8 +199,8 @@ void avx2_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
       }
       for (int64_t t = t0; t < t1; ++t) {
         if (c == 0) prefetch_rows(h.v + (t + kTile) * h.vst, h.vst, 1, D);  // the next tile's
-        const float* vt = h.v + t * h.vst + 8 * c;
-        const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+        const KT* vt = h.v + t * h.vst + 8 * c;
+        const __m256 v0 = load8(vt), v1 = load8(vt + 8);
         for (int i = 0; i < G; ++i) {
           const __m256 p = _mm256_broadcast_ss(s + i * T + t);
           a0[i] = _mm256_fmadd_ps(p, v0, a0[i]);
@@ -187,8 +215,8 @@ void avx2_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
   }
 }
 
-template <int D>
-bool avx2_group(const Head& h, float* s, float* acc, float* mx, float* tot) {
+template <int D, typename KT>
+bool avx2_group(const Head<KT>& h, float* s, float* acc, float* mx, float* tot) {
   switch (h.G) {
     case 1: avx2_head<D, 1>(h, s, acc, mx, tot); return true;
     case 2: avx2_head<D, 2>(h, s, acc, mx, tot); return true;
@@ -204,7 +232,8 @@ bool avx2_group(const Head& h, float* s, float* acc, float* mx, float* tot) {
 #endif
 
 // The intrinsics path where it applies (returns false: use plain_head).
-bool fast_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
+template <typename KT>
+bool fast_head(const Head<KT>& h, float* s, float* acc, float* mx, float* tot) {
 #ifdef TIDAL_AVX2
   if (h.D == 64) return avx2_group<64>(h, s, acc, mx, tot);
   if (h.D == 128) return avx2_group<128>(h, s, acc, mx, tot);
@@ -213,12 +242,38 @@ bool fast_head(const Head& h, float* s, float* acc, float* mx, float* tot) {
   return false;
 }
 
+// out [N, H, D] for queries qp over a store of KT (see decode_attention).
+template <typename KT>
+void attend(const float* qp, const KT* kp, const KT* vp, float* op, const int64_t* sp,
+            const int64_t* lp, int64_t N, int64_t H, int64_t KV, int64_t D, int64_t longest,
+            int64_t kss, int64_t ksh, int64_t vss, int64_t vsh, float sc) {
+  const int64_t G = H / KV;
+  at::parallel_for(0, N * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(G * longest), acc(G * D), mx(G), tot(G);
+    for (int64_t ng = begin; ng < end; ++ng) {
+      const int64_t n = ng / KV, g = ng % KV;
+      Head<KT> h{qp + (n * H + g * G) * D, kp + sp[n] * kss + g * ksh,
+                 vp + sp[n] * vss + g * vsh, kss, vss, lp[n], G, D, sc};
+      if (!fast_head(h, s.data(), acc.data(), mx.data(), tot.data())) {
+        plain_head(h, s.data(), acc.data(), mx.data(), tot.data());
+      }
+      for (int64_t i = 0; i < G; ++i) {
+        float* o = op + (n * H + g * G + i) * D;
+        const float inv = 1.f / tot[i];
+        for (int64_t j = 0; j < D; ++j) o[j] = acc[i * D + j] * inv;
+      }
+    }
+  });
+}
+
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& starts,
                                const torch::Tensor& lengths, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-                  v.scalar_type() == torch::kFloat32,
-              "decode_attention: float32 tensors only");
+  const bool half = k.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
+                  (k.scalar_type() == torch::kFloat32 || half) &&
+                  v.scalar_type() == k.scalar_type(),
+              "decode_attention: q float32, k and v both float32 or both bfloat16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
               "decode_attention: q is [N, H, D], k and v [S, KV, D]");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
@@ -242,33 +297,19 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k,
                 ") of a store of ", S);
     longest = std::max(longest, lp[n]);
   }
-  const int64_t G = H / KV;
   const torch::Tensor qc = q.contiguous();
   torch::Tensor out = torch::empty({N, H, D}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t kss = k.stride(0), ksh = k.stride(1);
-  const int64_t vss = v.stride(0), vsh = v.stride(1);
   const float sc = static_cast<float>(scale);
-
-  at::parallel_for(0, N * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(G * longest), acc(G * D), mx(G), tot(G);
-    for (int64_t ng = begin; ng < end; ++ng) {
-      const int64_t n = ng / KV, g = ng % KV;
-      Head h{qp + (n * H + g * G) * D, kp + sp[n] * kss + g * ksh, vp + sp[n] * vss + g * vsh,
-             kss, vss, lp[n], G, D, sc};
-      if (!fast_head(h, s.data(), acc.data(), mx.data(), tot.data())) {
-        plain_head(h, s.data(), acc.data(), mx.data(), tot.data());
-      }
-      for (int64_t i = 0; i < G; ++i) {
-        float* o = op + (n * H + g * G + i) * D;
-        const float inv = 1.f / tot[i];
-        for (int64_t j = 0; j < D; ++j) o[j] = acc[i * D + j] * inv;
-      }
-    }
-  });
+  if (half) {
+    attend(qc.data_ptr<float>(), reinterpret_cast<const bf16*>(k.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const bf16*>(v.data_ptr<at::BFloat16>()), out.data_ptr<float>(),
+           sp, lp, N, H, KV, D, longest, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+           sc);
+  } else {
+    attend(qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+           out.data_ptr<float>(), sp, lp, N, H, KV, D, longest, k.stride(0), k.stride(1),
+           v.stride(0), v.stride(1), sc);
+  }
   return out;
 }
 

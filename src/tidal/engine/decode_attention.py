@@ -99,8 +99,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: PLR091
               starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """The same attention through SDPA ([N, H, D]): each token's region gathered into a
     padded [n, KV, L, D] and masked, n tokens at a time (the gathered keys and values of a
-    chunk kept near 64 MB). What the kernel must agree with, and what the fast step runs
-    where the kernel cannot be built."""
+    chunk kept near 64 MB; a bf16 store's widened to fp32). What the kernel must agree
+    with, and what the fast step runs where the kernel cannot be built."""
     width = int(lengths.max())
     per_token = width * k.shape[1] * k.shape[2] * k.element_size()
     chunk = max(1, (64 << 20) // per_token)
@@ -111,23 +111,30 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: PLR091
         slots = (s[:, None] + cols).clamp_(max=k.shape[0] - 1)  # [n, L]
         allowed = (cols < n[:, None])[:, None, None, :]
         parts.append(torch.nn.functional.scaled_dot_product_attention(
-            q[a : a + chunk, :, None, :], k[slots].transpose(1, 2), v[slots].transpose(1, 2),
+            q[a : a + chunk, :, None, :], k[slots].to(q.dtype).transpose(1, 2),
+            v[slots].to(q.dtype).transpose(1, 2),
             attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])[:, :, 0, :])
     return torch.cat(parts)
 
 
 def _check(fn: Kernel) -> str | None:
     """Why `fn` cannot stand in for SDPA (None: it can), on a small case: three tokens of
-    one sequence (a prefill) and one of another."""
+    one sequence (a prefill) and one of another, over an fp32 and a bf16 store, head dims
+    16 (the portable path) and 64 (the intrinsics one where the CPU has them)."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(4, 6, 16, generator=gen)
-    k = torch.randn(50, 2, 16, generator=gen)
-    v = torch.randn(50, 2, 16, generator=gen)
-    starts = torch.tensor([3, 3, 3, 20])
-    lengths = torch.tensor([7, 8, 9, 30])
-    got, want = fn(q, k, v, starts, lengths, 0.25), reference(q, k, v, starts, lengths, 0.25)
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        return f"it differs from SDPA by {(got - want).abs().max().item():.2e}"
+    for dim in (16, 64):
+        q = torch.randn(4, 6, dim, generator=gen)
+        k = torch.randn(50, 2, dim, generator=gen)
+        v = torch.randn(50, 2, dim, generator=gen)
+        starts = torch.tensor([3, 3, 3, 20])
+        lengths = torch.tensor([7, 8, 9, 30])
+        for kv in (torch.float32, torch.bfloat16):
+            k_, v_ = k.to(kv), v.to(kv)
+            got = fn(q, k_, v_, starts, lengths, 0.25)
+            want = reference(q, k_, v_, starts, lengths, 0.25)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                return (f"it differs from SDPA by {(got - want).abs().max().item():.2e} "
+                        f"({kv} store, head dim {dim})")
     return None
 
 

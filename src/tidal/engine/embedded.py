@@ -19,6 +19,12 @@ Semantics shared with the vLLM engine:
 - prompt i of a request seeded `s` samples with seed `mix_seed(s, i)`; a seeded request
   gives the same tokens when run again, whoever shares its batch, up to float noise.
 
+`matmul_dtype="bfloat16"` runs the fast step's linear layers with bf16 weights and
+inputs (`fused.FastDecoder`), on a CPU where oneDNN multiplies bf16, and
+`kv_dtype="bfloat16"` keeps its KV store (and so the prefix cache) in bf16: half the bytes
+a decode step streams, and log-probabilities a bf16 rounding away from the fp32 trainer's,
+a mismatch the loss's correction (`rl.correction`) weighs.
+
 `numerics="consistent"` samples from `consistent.py`'s batch-invariant forward instead
 (`consistent_batch.py`'s `ConsistentDecodeBatch`, a slot-store KV cache): a token's
 logprob is then exactly what the trainer's `attention="consistent"` recomputes.
@@ -72,6 +78,7 @@ if TYPE_CHECKING:
 
 _SEED_MASK = (1 << 63) - 1
 NUMERICS = ("standard", "consistent")
+DTYPES = ("float32", "bfloat16")  # matmul_dtype's and kv_dtype's
 
 
 def _plain_kv(model: Any) -> bool:
@@ -115,6 +122,45 @@ def batch_class(model: Any, numerics: str = "standard") -> type[DecodeBatch]:
     return FastDecodeBatch if fast_decoder(model) is not None else DecodeBatch
 
 
+def _check_settings(*, max_batch_size: int, batch_wait_s: float, numerics: str,
+                    prefix_cache_mb: float, matmul_dtype: str, kv_dtype: str) -> None:
+    """An `EngineError` naming the first of `EmbeddedEngine`'s settings out of range."""
+    if max_batch_size < 1:
+        raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if batch_wait_s < 0:
+        raise EngineError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
+    if numerics not in NUMERICS:
+        raise EngineError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    if prefix_cache_mb < 0:
+        raise EngineError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
+    for key, value in (("matmul_dtype", matmul_dtype), ("kv_dtype", kv_dtype)):
+        if value not in DTYPES:
+            raise EngineError(f"{key} must be one of {DTYPES}, got {value!r}")
+        if value != "float32" and numerics == "consistent":
+            raise EngineError(f"{key} {value!r} is for the standard numerics: the consistent "
+                              "batch computes what the trainer does, in the model's dtype")
+
+
+def _make_fast_step(model: Any, matmul_dtype: str, kv_dtype: str) -> None:
+    """Make `model`'s fast decode step (its fused weights) with `matmul_dtype`'s linear
+    layers and a `kv_dtype` KV store; an `EngineError` where bf16 is asked and cannot be
+    had."""
+    import torch
+
+    try:
+        fast = fast_decoder(
+            model, matmul_dtype=torch.bfloat16 if matmul_dtype == "bfloat16" else None,
+            kv_dtype=torch.bfloat16 if kv_dtype == "bfloat16" else None)
+    except ValueError as e:
+        raise EngineError(str(e)) from e
+    if fast is None and "bfloat16" in (matmul_dtype, kv_dtype):
+        from tidal.engine.fused import unsupported
+
+        raise EngineError(f"matmul_dtype {matmul_dtype!r}, kv_dtype {kv_dtype!r}: bf16 needs "
+                          f"the fast decode step, which this model has not: "
+                          f"{unsupported(model)}")
+
+
 class EmbeddedEngine:
     """Transformers model behind the `Engine` protocol, with a batching request queue."""
 
@@ -132,17 +178,14 @@ class EmbeddedEngine:
         max_context: int | None = None,
         numerics: str = "standard",
         prefix_cache_mb: float = 256.0,
+        matmul_dtype: str = "float32",
+        kv_dtype: str = "float32",
     ) -> None:
         import torch
 
-        if max_batch_size < 1:
-            raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if batch_wait_s < 0:
-            raise EngineError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
-        if numerics not in NUMERICS:
-            raise EngineError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-        if prefix_cache_mb < 0:
-            raise EngineError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
+        _check_settings(max_batch_size=max_batch_size, batch_wait_s=batch_wait_s,
+                        numerics=numerics, prefix_cache_mb=prefix_cache_mb,
+                        matmul_dtype=matmul_dtype, kv_dtype=kv_dtype)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError(f"device {device!r} requested but CUDA is not available")
         self._dir = resolve_model(model)
@@ -157,7 +200,7 @@ class EmbeddedEngine:
             except ConsistencyError as e:
                 raise EngineError(str(e)) from e
         else:
-            fast_decoder(self._model)  # its fused weights made now, not on the first step
+            _make_fast_step(self._model, matmul_dtype, kv_dtype)  # now, not on the first step
         config = self._model.config
         self._vocab_size = int(config.vocab_size)
         self._max_context = int(config.max_position_embeddings)

@@ -47,6 +47,11 @@ class FastDecodeBatch(RegionBatch):
         super().__init__(model, max_context=max_context, pad_id=pad_id, prefix=prefix)
         self._fast_checked = False  # the fast decoder's thorough check: once per busy period
 
+    def _store_dtype(self) -> torch.dtype:
+        fast = fast_decoder(self._model, thorough=False)
+        assert fast is not None
+        return fast.kv_dtype
+
     def _run(self, ids_T: torch.Tensor, pos_T: torch.Tensor, row_T: torch.Tensor,
              starts_R: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
         import torch

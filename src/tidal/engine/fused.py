@@ -32,6 +32,17 @@ oneDNN's kernel sums in another order than MKL's, which moved SmolLM2's logprobs
 the small ops sum in another order than SDPA and torch (within ~1e-6 of them). The
 consistent batch (`consistent_batch.py`) never comes here.
 
+bf16 (`matmul_dtype`, `kv_dtype`: `engine.matmul_dtype`, `engine.kv_dtype`): with bf16
+matmuls the fused copies of an fp32 model's linear weights are kept in bf16 (packed for
+oneDNN's bf16 kernel, +0.27 GB instead of +0.5 for SmolLM2), a linear layer's input is
+rounded to bf16 and its output, summed in fp32 and rounded once to bf16, comes back as
+fp32: half the weight bytes a step streams, on a CPU where oneDNN runs bf16 matmuls
+(`bf16_matmuls()`: AVX-512, natively with AVX512_BF16 or AMX; elsewhere it is refused).
+With a bf16 KV store each key and value is rounded to bf16 as it is written and widened
+back to fp32 as the attention reads it (any CPU). The norms, rotary, the attention's
+arithmetic and sampling stay fp32. The logprobs are then a bf16 rounding away from the
+fp32 trainer's, not its float noise: the loss's correction weighs that mismatch.
+
 Weights: the fused and packed copies are derived from the model's parameters, so they go
 stale when the parameters change. `fast_decoder(model)` (the only way the batch gets one)
 compares a stamp of the parameters it copied (storage pointer and version counter: an
@@ -82,7 +93,8 @@ class Linear:
     through `F.linear` on the plain weight. Built from one or more `nn.Linear`s whose
     weights are concatenated along the output dimension."""
 
-    def __init__(self, modules: Sequence[torch.nn.Linear], *, packed: bool) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Linear], *, packed: bool,
+                 dtype: torch.dtype | None = None) -> None:
         weights = [m.weight.detach() for m in modules]
         biases = [m.bias.detach() if m.bias is not None else None for m in modules]
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
@@ -92,6 +104,14 @@ class Linear:
         if any(b is not None for b in biases):
             self.bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
                                    for w, b in zip(weights, biases, strict=True)])
+        # `dtype` (bf16 for an fp32 model, `FastDecoder`'s matmul_dtype): the weight and
+        # bias are kept in it, the input is rounded to it and the output comes back in the
+        # model's dtype
+        self.dtype = weight.dtype if dtype is None else dtype
+        self.out_dtype = weight.dtype
+        weight = weight.to(self.dtype)
+        if self.bias is not None:
+            self.bias = self.bias.to(self.dtype)
         self.packed = packed
         # The plain weight is kept only on the F.linear path (a single module's is its own
         # parameter, not a copy); the packed one is a copy in oneDNN's blocked layout.
@@ -99,9 +119,13 @@ class Linear:
                        if packed else weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype != self.out_dtype:
+            x = x.to(self.dtype)
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        else:
+            y = linear(x, self.weight, self.bias)
+        return y if y.dtype == self.out_dtype else y.to(self.out_dtype)
 
     @property
     def flops_per_row(self) -> int:
@@ -169,34 +193,55 @@ def unsupported(model: Any) -> str | None:
 
 
 def _onednn_ok(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's packed linear runs here for `dtype`, and agrees with F.linear."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+    """Whether oneDNN's packed linear runs here for `dtype` (fp32; bf16 only where
+    `bf16_matmuls()`), and agrees with F.linear (bf16: to its rounding)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if dtype == torch.bfloat16 and not bf16_matmuls():
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        w = torch.randn(40, 24, generator=gen)
-        b = torch.randn(40, generator=gen)
-        x = torch.randn(3, 24, generator=gen)
+        w = torch.randn(40, 24, generator=gen).to(dtype)
+        b = torch.randn(40, generator=gen).to(dtype)
+        x = torch.randn(3, 24, generator=gen).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
-    return bool(torch.allclose(y, linear(x, w, b), rtol=1e-5, atol=1e-5))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    return bool(torch.allclose(y.float(), linear(x.float(), w.float(), b.float()),
+                               rtol=tol, atol=tol))
+
+
+def bf16_matmuls() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (its own check: AVX-512, natively
+    with AVX512_BF16 or AMX). On AVX2 alone torch's bf16 linear ran 2.3x slower than
+    fp32's (docs/engine.md)."""
+    return bool(torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class FastDecoder:
     """The decode step of a supported model (`unsupported(model) is None`) over the
-    batch's `GrowingLayer` KV cache, with fused (and, in fp32 with oneDNN, packed)
-    weights. Get one through `fast_decoder(model)`, which keeps it fresh. `attention`:
-    "kernel" (`tidal.engine.decode_attention`; an error where it cannot be built), "sdpa",
-    or None for the kernel where it builds and the weights are fp32, else SDPA.
+    batch's `GrowingLayer` KV cache, with fused (and, with oneDNN, packed) weights. Get
+    one through `fast_decoder(model)`, which keeps it fresh. `attention`: "kernel"
+    (`tidal.engine.decode_attention`; an error where it cannot be built), "sdpa", or None
+    for the kernel where it builds and the weights are fp32, else SDPA.
     `small_ops`: the norms, rotary and the MLP's activation as one op each ("fused",
     `decode_attention.Glue`; an error where they cannot be built) or through torch's ops
-    ("torch"); None: fused where they build and the weights are fp32."""
+    ("torch"); None: fused where they build and the weights are fp32.
+    `matmul_dtype`: the linear layers' weights and inputs (torch.bfloat16 for an fp32
+    model: half the bytes a step streams, on a CPU where oneDNN runs bf16 matmuls,
+    `bf16_matmuls()`; their outputs, the norms and the attention stay fp32); None: the
+    model's dtype. `kv_dtype`: the KV store's (torch.bfloat16 for an fp32 model: half the
+    bytes the attention reads and the prefix cache holds; each key and value is rounded to
+    bf16 as it is written, read back widened to fp32); None: the model's dtype."""
 
     def __init__(self, model: Any, *, packed: bool | None = None,
                  attention: Literal["kernel", "sdpa"] | None = None,
-                 small_ops: Literal["fused", "torch"] | None = None) -> None:
+                 small_ops: Literal["fused", "torch"] | None = None,
+                 matmul_dtype: torch.dtype | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"no fast decode step: {why}")
@@ -209,7 +254,19 @@ class FastDecoder:
         self.n_kv = int(config.num_key_value_heads)
         self.intermediate = int(inner.layers[0].mlp.gate_proj.out_features)
         dtype = next(model.parameters()).dtype
-        self.packed = _onednn_ok(dtype) if packed is None else packed
+        self.matmul_dtype = dtype if matmul_dtype is None else matmul_dtype
+        if self.matmul_dtype != dtype:
+            if (dtype, self.matmul_dtype) != (torch.float32, torch.bfloat16):
+                raise ValueError(f"matmul_dtype {self.matmul_dtype} for a {dtype} model: only "
+                                 "an fp32 model's matmuls can run in bf16")
+            if not _onednn_ok(torch.bfloat16):
+                raise ValueError("matmul_dtype bfloat16: oneDNN runs no bf16 matmuls on this "
+                                 "CPU (it needs AVX-512; natively AVX512_BF16 or AMX)")
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype != dtype and (dtype, self.kv_dtype) != (torch.float32, torch.bfloat16):
+            raise ValueError(f"kv_dtype {self.kv_dtype} for a {dtype} model: only an fp32 "
+                             "model's KV store can be bf16")
+        self.packed = _onednn_ok(self.matmul_dtype) if packed is None else packed
         # None: the kernel where it builds (fp32 only), else SDPA
         self.attention: Kernel | None = None
         if attention == "kernel" or (attention is None and dtype == torch.float32):
@@ -264,7 +321,7 @@ class FastDecoder:
 
     def rebuild(self) -> None:
         """(Re)make the fused and packed copies from the model's present parameters."""
-        packed = self.packed
+        packed, dt = self.packed, self.matmul_dtype
         layers = []
         with torch.no_grad():
             for layer in self.model.model.layers:
@@ -272,15 +329,17 @@ class FastDecoder:
                 layers.append(_Layer(
                     norm1=layer.input_layernorm,
                     norm2=layer.post_attention_layernorm,
-                    qkv=Linear([attn.q_proj, attn.k_proj, attn.v_proj], packed=packed),
-                    o=Linear([attn.o_proj], packed=packed),
-                    gate_up=Linear([mlp.gate_proj, mlp.up_proj], packed=packed),
-                    down=Linear([mlp.down_proj], packed=packed),
+                    qkv=Linear([attn.q_proj, attn.k_proj, attn.v_proj], packed=packed,
+                               dtype=dt),
+                    o=Linear([attn.o_proj], packed=packed, dtype=dt),
+                    gate_up=Linear([mlp.gate_proj, mlp.up_proj], packed=packed, dtype=dt),
+                    down=Linear([mlp.down_proj], packed=packed, dtype=dt),
                     scaling=float(attn.scaling),
                 ))
             # Drop the old copies before making the new head (the biggest single copy).
             self.layers, self.lm_head = layers, None
-            self.lm_head = Linear([self.model.get_output_embeddings()], packed=packed)
+            self.lm_head = Linear([self.model.get_output_embeddings()], packed=packed,
+                                  dtype=dt)
         self._params = self._sources()
         self._stamp = self._stamp_of(self._params)
 
@@ -328,8 +387,8 @@ class FastDecoder:
             w, eps = _rms_params(layer.norm1)
             x = glue.rms_norm(h, w, eps) if delta is None else glue.add_rms_norm(h, delta, w, eps)
             q, k, v = glue.rope_split(layer.qkv(x), cos, sin, H, KV)
-            keys.index_copy_(0, slots, k)
-            values.index_copy_(0, slots, v)
+            keys.index_copy_(0, slots, k.to(keys.dtype))
+            values.index_copy_(0, slots, v.to(values.dtype))
             attend = kernel or decode_attention.reference
             a = attend(q, keys, values, starts, lengths, layer.scaling)
             x = glue.add_rms_norm(h, layer.o(a.reshape(N, H * D)), *_rms_params(layer.norm2))
@@ -344,14 +403,24 @@ _DECODERS: weakref.WeakKeyDictionary[Any, FastDecoder | None] = weakref.WeakKeyD
 _LOCK = threading.Lock()
 
 
-def fast_decoder(model: Any, *, thorough: bool = True) -> FastDecoder | None:
+def fast_decoder(model: Any, *, thorough: bool = True, matmul_dtype: torch.dtype | None = None,
+                 kv_dtype: torch.dtype | None = None) -> FastDecoder | None:
     """`model`'s fast decode step, made on first use and rebuilt when its parameters
     changed since (`FastDecoder.stale`; with `thorough=False` only `written`, the check a
     batch makes on each step, ~20 us, its thorough one once per busy period); None when
-    the model is not supported (`unsupported`)."""
+    the model is not supported (`unsupported`). `matmul_dtype` and `kv_dtype`
+    (`FastDecoder`'s), where given, are the model's from then on (a decoder made with
+    others is replaced); None keeps what it has (at first the model's dtype)."""
     with _LOCK:
-        if model not in _DECODERS:
-            _DECODERS[model] = FastDecoder(model) if unsupported(model) is None else None
+        known = _DECODERS.get(model)
+        if model not in _DECODERS or (known is not None and (
+                (matmul_dtype is not None and known.matmul_dtype != matmul_dtype)
+                or (kv_dtype is not None and known.kv_dtype != kv_dtype))):
+            if known is not None:  # what is not asked for again stays
+                matmul_dtype = matmul_dtype or known.matmul_dtype
+                kv_dtype = kv_dtype or known.kv_dtype
+            _DECODERS[model] = (FastDecoder(model, matmul_dtype=matmul_dtype, kv_dtype=kv_dtype)
+                                if unsupported(model) is None else None)
         decoder = _DECODERS[model]
         if decoder is not None and (decoder.stale if thorough else decoder.written):
             decoder.rebuild()

@@ -68,6 +68,11 @@ class RegionBatch(DecodeBatch):
         `out_rows` picks the tokens whose logits are returned."""
         raise NotImplementedError
 
+    def _store_dtype(self) -> torch.dtype:
+        """The store's dtype: the model's (the fast batch's may be narrower)."""
+        dtype: torch.dtype = self._model.get_input_embeddings().weight.dtype
+        return dtype
+
     def _capacity(self) -> int:
         return int(self._store[0][0].shape[0]) if self._store else 0
 
@@ -83,12 +88,13 @@ class RegionBatch(DecodeBatch):
         # after the move, whatever the store's size was (it shrinks after a busy spell)
         cap = max(2 * (sum(sizes) + need), 4096)
         layers, kv_heads, head_dim = self._geometry
-        like = self._model.get_input_embeddings().weight  # the store's dtype and device
+        dtype = self._store_dtype()
 
         def new() -> torch.Tensor:
             if self.head_major:  # [S, KV, D] views of [KV, S, D] buffers
-                return like.new_zeros((kv_heads, cap, head_dim)).transpose(0, 1)
-            return like.new_zeros((cap, kv_heads, head_dim))
+                return torch.zeros((kv_heads, cap, head_dim), dtype=dtype,
+                                   device=self._device).transpose(0, 1)
+            return torch.zeros((cap, kv_heads, head_dim), dtype=dtype, device=self._device)
 
         moves, pos = [], 0  # (old start, new start, slots written) per live region
         for old, n, size in zip(self._start.tolist(), self._next_pos.tolist(), sizes,

@@ -296,12 +296,19 @@ def make_engine(cfg: RunConfig, weights_dir: Path, *, device: str, policy_versio
         except EngineError as err:
             raise ComponentError(f"engine.kind = \"vllm\": {err}") from None
     if cfg.engine.kind == "embedded":
+        from tidal.engine.base import EngineError
         from tidal.engine.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(weights_dir, device=device, policy_version=policy_version,
-                              model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,
-                              prefix_cache_mb=cfg.rollout.prefix_cache_mb,
-                              max_batch_size=cfg.engine.max_batch_size)
+        try:
+            return EmbeddedEngine(weights_dir, device=device, policy_version=policy_version,
+                                  model_name=model_name, seed=cfg.seed,
+                                  numerics=cfg.rl.numerics,
+                                  prefix_cache_mb=cfg.rollout.prefix_cache_mb,
+                                  max_batch_size=cfg.engine.max_batch_size,
+                                  matmul_dtype=cfg.engine.matmul_dtype,
+                                  kv_dtype=cfg.engine.kv_dtype)
+        except EngineError as err:
+            raise ComponentError(f"engine.kind = \"embedded\": {err}") from None
     factory = load_attr(cfg.engine.kind, "engine.kind")
     engine = factory(weights_dir, device=device, policy_version=policy_version,
                      model_name=model_name, seed=cfg.seed, numerics=cfg.rl.numerics,

@@ -151,6 +151,17 @@ class EngineConfig(_Section):
                       "factory returning an Engine)")
     max_batch_size: int = Field(16, ge=1, le=4096, description="kind = embedded: sequences "
                                 "one decode step runs at most (more wait for a free row)")
+    matmul_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="kind = embedded: the dtype of the decode step's linear layers "
+        "(weights and inputs; the norms, attention and KV cache stay fp32). bfloat16 halves "
+        "the bytes a step streams where oneDNN runs bf16 matmuls (AVX-512; natively "
+        "AVX512_BF16 or AMX), at the price of log-probabilities the fp32 trainer does not "
+        "reproduce exactly (rl.correction weighs the mismatch; docs/engine.md)")
+    kv_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="kind = embedded: the dtype of the KV cache (and of the "
+        "prefix cache): bfloat16 halves the bytes the attention reads and the prefix cache "
+        "holds a token in, each key and value rounded to bf16 (the attention's arithmetic "
+        "stays fp32); any CPU")
     servers: int = Field(1, ge=1, le=64, description="kind = vllm: servers tidal starts, "
                          "watches and stops (server i on GPU i on CUDA)")
     urls: tuple[str, ...] = Field(
@@ -186,6 +197,10 @@ class EngineConfig(_Section):
                 "max_batch_size"].default:
             raise ValueError(f"engine.max_batch_size is only used with engine.kind = "
                              f"\"embedded\" (kind is {self.kind!r})")
+        for key, value in (("matmul_dtype", self.matmul_dtype), ("kv_dtype", self.kv_dtype)):
+            if self.kind != "embedded" and value != "float32":
+                raise ValueError(f"engine.{key} is only used with engine.kind = "
+                                 f"\"embedded\" (kind is {self.kind!r})")
         if self.kind != "vllm":
             fields = type(self).model_fields
             used = [k for k in ("servers", "urls", "vllm_python", "vllm_args", "max_model_len",
@@ -445,6 +460,12 @@ class RunConfig(_Section):
         if self.rl.numerics == "consistent" and self.engine.kind == "vllm":
             raise ValueError("rl.numerics = \"consistent\" needs engine.kind = \"embedded\": "
                              "vLLM's kernels are not the trainer's")
+        for key, value in (("matmul_dtype", self.engine.matmul_dtype),
+                           ("kv_dtype", self.engine.kv_dtype)):
+            if self.rl.numerics == "consistent" and value != "float32":
+                raise ValueError(f"rl.numerics = \"consistent\" needs engine.{key} = "
+                                 f"\"float32\" (got {value!r}): bf16 is not what the "
+                                 "trainer computes")
         if self.rl.numerics == "consistent" and self.rollout.temperature != 1.0:
             raise ValueError(
                 "rl.numerics = \"consistent\" needs rollout.temperature = 1.0: the trainer's "
