@@ -255,18 +255,19 @@ class FastDecoder:
         self.intermediate = int(inner.layers[0].mlp.gate_proj.out_features)
         dtype = next(model.parameters()).dtype
         self.matmul_dtype = dtype if matmul_dtype is None else matmul_dtype
+        onednn = _onednn_ok(self.matmul_dtype)
         if self.matmul_dtype != dtype:
             if (dtype, self.matmul_dtype) != (torch.float32, torch.bfloat16):
                 raise ValueError(f"matmul_dtype {self.matmul_dtype} for a {dtype} model: only "
                                  "an fp32 model's matmuls can run in bf16")
-            if not _onednn_ok(torch.bfloat16):
+            if not onednn:
                 raise ValueError("matmul_dtype bfloat16: oneDNN runs no bf16 matmuls on this "
                                  "CPU (it needs AVX-512; natively AVX512_BF16 or AMX)")
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         if self.kv_dtype != dtype and (dtype, self.kv_dtype) != (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype {self.kv_dtype} for a {dtype} model: only an fp32 "
                              "model's KV store can be bf16")
-        self.packed = _onednn_ok(self.matmul_dtype) if packed is None else packed
+        self.packed = onednn if packed is None else packed
         # None: the kernel where it builds (fp32 only), else SDPA
         self.attention: Kernel | None = None
         if attention == "kernel" or (attention is None and dtype == torch.float32):
@@ -412,15 +413,14 @@ def fast_decoder(model: Any, *, thorough: bool = True, matmul_dtype: torch.dtype
     (`FastDecoder`'s), where given, are the model's from then on (a decoder made with
     others is replaced); None keeps what it has (at first the model's dtype)."""
     with _LOCK:
-        known = _DECODERS.get(model)
-        if model not in _DECODERS or (known is not None and (
-                (matmul_dtype is not None and known.matmul_dtype != matmul_dtype)
-                or (kv_dtype is not None and known.kv_dtype != kv_dtype))):
-            if known is not None:  # what is not asked for again stays
-                matmul_dtype = matmul_dtype or known.matmul_dtype
-                kv_dtype = kv_dtype or known.kv_dtype
+        if model not in _DECODERS:
             _DECODERS[model] = (FastDecoder(model, matmul_dtype=matmul_dtype, kv_dtype=kv_dtype)
                                 if unsupported(model) is None else None)
+        known = _DECODERS[model]
+        if known is not None:  # what is not asked for stays as it is
+            want = (matmul_dtype or known.matmul_dtype, kv_dtype or known.kv_dtype)
+            if want != (known.matmul_dtype, known.kv_dtype):
+                _DECODERS[model] = FastDecoder(model, matmul_dtype=want[0], kv_dtype=want[1])
         decoder = _DECODERS[model]
         if decoder is not None and (decoder.stale if thorough else decoder.written):
             decoder.rebuild()
