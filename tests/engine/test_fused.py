@@ -110,6 +110,52 @@ def test_fast_batch_samples_what_transformers_forward_does(
         np.testing.assert_allclose(cached[i].logprobs, fresh[i].logprobs, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama"])
+def test_prompts_joining_running_rows_are_prefilled_in_their_decode_step(
+    name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`FastDecodeBatch.step(requests)` prefills prompts that join running rows in those
+    rows' decode forward (`folds`): one forward where admitting and then stepping took two,
+    and every sequence samples what it did that way. With a prefix cache, a prompt that
+    repeats another admitted with it still waits for that one's prefill (a second pass)
+    and reads it from the cache."""
+    model = request.getfixturevalue(name)
+    vocab = int(model.config.vocab_size)
+    long = [(3 * t + 11) % vocab for t in range(100)]
+    prompts = [*_prompts(model), long, long]
+    real = fused.FastDecoder.forward
+
+    def run(fold: bool) -> tuple[dict[int, SequenceResult], int]:
+        calls: list[int] = []
+        monkeypatch.setattr(fused.FastDecoder, "forward",
+                            lambda self, *a: calls.append(1) or real(self, *a))
+        reqs = [SequenceRequest(tuple(p), SamplingParams(max_tokens=6), seed=7 + i)
+                for i, p in enumerate(prompts)]
+        batch = FastDecodeBatch(model, max_context=256, pad_id=0, prefix=PrefixCache(64 << 20))
+        batch.folds = fold
+        batch.admit(reqs[:1], [0])
+        batch.step()
+        before = len(calls)
+        batch.step(reqs[1:], list(range(1, len(reqs))))
+        joining = len(calls) - before
+        done: dict[int, SequenceResult] = dict(batch.pop_finished())
+        while len(batch):
+            batch.step()
+            done.update(dict(batch.pop_finished()))
+        return done, joining
+
+    folded, n_folded = run(True)
+    apart, n_apart = run(False)
+    # the step they join in: the fold and the repeated prompt's second pass, against
+    # two prefills and a decode step
+    assert (n_folded, n_apart) == (2, 3)
+    assert folded[4].cached_tokens >= 96 and folded[3].cached_tokens == 0
+    for i in range(len(prompts)):
+        assert folded[i].output_ids == apart[i].output_ids
+        assert folded[i].cached_tokens == apart[i].cached_tokens
+        np.testing.assert_allclose(folded[i].logprobs, apart[i].logprobs, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize(("packed", "attention", "small_ops"),
                          [(True, "kernel", "fused"), (False, "kernel", "fused"),
                           (True, "sdpa", "fused"), (True, "kernel", "torch"),
@@ -380,6 +426,29 @@ def test_bf16_matmuls_refused_with_a_reason(tiny_dir: Path,
     monkeypatch.setattr(fused, "bf16_matmuls", lambda: False)
     with pytest.raises(EngineError, match="oneDNN runs no bf16 matmuls on this CPU"):
         EmbeddedEngine(tiny_dir, matmul_dtype="bfloat16")
+
+
+def test_auto_matmul_dtype_is_bf16_where_onednn_runs_it(tiny_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`matmul_dtype="auto"`: bf16 matmuls on a CPU where oneDNN runs them, else fp32 (never
+    an error); `metrics()` names the dtypes the step runs in. With the consistent numerics
+    it is refused, as bf16 is."""
+    from tidal.engine.base import EngineError
+
+    for supported in (False, True) if fused.bf16_matmuls() else (False,):
+        monkeypatch.setattr(fused, "bf16_matmuls", lambda s=supported: s)
+        with EmbeddedEngine(tiny_dir, matmul_dtype="auto", kv_dtype="bfloat16") as eng:
+            decoder = fused.fast_decoder(eng.model)
+            want = torch.bfloat16 if supported else torch.float32
+            assert decoder is not None and decoder.matmul_dtype == want
+            assert decoder.kv_dtype == torch.bfloat16
+            m = eng.metrics()
+            assert (m["matmul_dtype"], m["kv_dtype"]) == (
+                "bfloat16" if supported else "float32", "bfloat16")
+    with pytest.raises(EngineError, match="matmul_dtype 'auto' is for the standard"):
+        EmbeddedEngine(tiny_dir, matmul_dtype="auto", numerics="consistent")
+    with pytest.raises(EngineError, match=r"kv_dtype must be one of \('float32', 'bfloat16'\)"):
+        EmbeddedEngine(tiny_dir, kv_dtype="auto")
 
 
 def test_a_bf16_kv_store(tiny_dir: Path) -> None:

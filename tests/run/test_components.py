@@ -267,6 +267,20 @@ def test_engine_bf16_keys_are_refused_by_name(key: str) -> None:
         parse_config({"engine": {key: "float16"}})
 
 
+def test_engine_matmul_dtype_auto() -> None:
+    """`engine.matmul_dtype = "auto"` (kv_dtype has no auto) is taken for the embedded engine
+    with the standard numerics and refused by name elsewhere, as bfloat16 is."""
+    assert parse_config({"engine": {"matmul_dtype": "auto"}}).engine.matmul_dtype == "auto"
+    with pytest.raises(ConfigError, match=r"engine.matmul_dtype is only used with "
+                                          r"engine.kind = \"embedded\""):
+        parse_config({"engine": {"kind": "vllm", "matmul_dtype": "auto"}})
+    with pytest.raises(ConfigError, match=r"needs engine.matmul_dtype = \"float32\" "
+                                          r"\(got 'auto'\)"):
+        parse_config({"engine": {"matmul_dtype": "auto"}, "rl": {"numerics": "consistent"}})
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        parse_config({"engine": {"kv_dtype": "auto"}})
+
+
 def test_engine_bf16_keys_reach_the_embedded_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """`engine.kv_dtype` (any CPU) and `engine.matmul_dtype` (where oneDNN runs bf16)
     reach the embedded engine's decode step; where this CPU has no bf16 matmuls the

@@ -78,4 +78,6 @@ def test_the_example_configs_load(name: str) -> None:
         assert cfg.warmstart.steps > 0 and cfg.warmstart.teacher == "exact"
         assert cfg.rollout.tools == ("bash", "read_file", "write_file", "finish")
         assert (cfg.tasks.train_size, cfg.tasks.heldout_size) == (240, 64)
+        # bf16 matmuls where oneDNN runs them, a bf16 KV cache (docs/agent.md)
+        assert (cfg.engine.matmul_dtype, cfg.engine.kv_dtype) == ("auto", "bfloat16")
     assert "run-real" in (root / "Makefile").read_text()

@@ -8,10 +8,8 @@ its device had at each moment (rebuilt from the trace), equals its drawn duratio
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 from typer.main import get_command
 
+from tests.benches import load_bench
 from tidal.cli import app
 from tidal.schedule.compare import Scenario, compare
 from tidal.schedule.policy import ColocatedPolicy, ElasticPolicy, FixedSplitPolicy
@@ -258,15 +257,7 @@ def test_refined_best_split_has_no_faster_neighbour() -> None:
 
 
 def test_bench_prints_json_and_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_nonstationary",
-                                                  ROOT / "bench" / "nonstationary.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules[spec.name]
+    bench = load_bench("nonstationary")
     assert bench.main(["--devices", "6", "--steps", "1", "--drifts", "stationary",
                        "tokens-outgrow", "--json"]) == 0
     out = capsys.readouterr()

@@ -104,6 +104,8 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self._rows)
 
+    folds = False  # whether `step` prefills new requests in its decode forward
+
     def admit(self, requests: Sequence[SequenceRequest], tags: Sequence[Any]) -> None:
         """Prefill `requests`, sample their first tokens and add them to the batch.
 
@@ -111,21 +113,62 @@ class DecodeBatch:
         requests sharing more of their prompt with an earlier one of `requests` than the
         cache holds (`PrefixCache.waiting`: at least `SHARED_GAIN` tokens) are prefilled
         in a second pass, after it: a group's identical prompts are computed once."""
+        for part in self._passes(requests):
+            self._admit([requests[i] for i in part], [tags[i] for i in part])
+
+    def step(self, requests: Sequence[SequenceRequest] = (), tags: Sequence[Any] = ()) -> None:
+        """One decode forward for every live row, then sample and retire finished rows.
+
+        `requests` (with their `tags`) join first. A batch that `folds` prefills them in
+        that same forward, beside the live rows' tokens (in a second pass after it, those
+        `admit` would make wait for another's prefill); any other admits them, then
+        decodes. Either way each sequence samples what it would have: the live rows their
+        next token, the new ones their first."""
+        if requests and not (self.folds and self._rows):
+            self.admit(requests, tags)
+            requests = ()
+        if not self._rows:
+            return
+        if not requests:
+            logits = self._decode()
+            self._next_pos = self._next_pos + 1
+            self._sample(logits, list(range(len(self._rows))))
+            self._retire()
+            return
+        first, *later = self._passes(requests)
+        now = [requests[i] for i in first]
+        rows, hits = self._new_rows(now, [tags[i] for i in first])
+        live = len(self._rows)
+        decode_logits, new_logits = self._decode_admitting(now, [r.budget for r in rows], hits)
+        self._next_pos = self._next_pos + 1
+        self._sample(decode_logits, list(range(live)))
+        self._add_rows(now, rows, new_logits)
+        self._retire()
+        for part in later:
+            self._admit([requests[i] for i in part], [tags[i] for i in part])
+
+    def _passes(self, requests: Sequence[SequenceRequest]) -> list[list[int]]:
+        """The indices of `requests` to prefill one pass after the other (`admit`)."""
         if self._prefix is not None and len(requests) > 1:
             later = set(self._prefix.waiting([r.prompt for r in requests], gain=SHARED_GAIN))
             if later:
-                first = [i for i in range(len(requests)) if i not in later]
-                for part in (first, sorted(later)):
-                    self._admit([requests[i] for i in part], [tags[i] for i in part])
-                return
-        self._admit(requests, tags)
+                return [[i for i in range(len(requests)) if i not in later], sorted(later)]
+        return [list(range(len(requests)))]
 
     def _admit(self, requests: Sequence[SequenceRequest], tags: Sequence[Any]) -> None:
-        import torch
-
         if not requests:
             return
-        n = len(requests)
+        rows, hits = self._new_rows(requests, tags)
+        logits = self._prefill(requests, [row.budget for row in rows], hits)
+        self._add_rows(requests, rows, logits)
+        self._retire()
+
+    def _new_rows(self, requests: Sequence[SequenceRequest],
+                  tags: Sequence[Any]) -> tuple[list[_Row], list[tuple[int, Any]]]:
+        """The rows of new `requests` (each with its seeded generator and token budget) and
+        what the prefix cache holds of each prompt."""
+        import torch
+
         rows = []
         hits: list[tuple[int, Any]] = []
         for r, tag in zip(requests, tags, strict=True):
@@ -136,7 +179,15 @@ class DecodeBatch:
             hits.append(hit)
             rows.append(_Row(tag, gen, frozenset(r.params.stop_token_ids), budget,
                              r.prompt, hit[0], r.params.top_logprobs))
-        logits = self._prefill(requests, [row.budget for row in rows], hits)
+        return rows, hits
+
+    def _add_rows(self, requests: Sequence[SequenceRequest], rows: list[_Row],
+                  logits: Any) -> None:
+        """Append prefilled `rows` to the batch and sample their first tokens from `logits`
+        (their prompts' last positions')."""
+        import torch
+
+        n = len(requests)
         temperature = torch.tensor([r.params.temperature for r in requests], device=self._device)
         top_k = torch.tensor([r.params.top_k for r in requests], device=self._device)
         top_p = torch.tensor([r.params.top_p for r in requests], device=self._device)
@@ -151,16 +202,6 @@ class DecodeBatch:
             self._remember_prompt(i)
         self._last = torch.cat([self._last, torch.zeros(n, dtype=torch.long, device=self._device)])
         self._sample(logits, list(range(first, len(self._rows))))
-        self._retire()
-
-    def step(self) -> None:
-        """One decode forward for every live row, then sample and retire finished rows."""
-        if not self._rows:
-            return
-        logits = self._decode()
-        self._next_pos = self._next_pos + 1
-        self._sample(logits, list(range(len(self._rows))))
-        self._retire()
 
     # -- the model-specific part: prefill, decode, and the KV cache's rows -----------------
 
@@ -235,6 +276,17 @@ class DecodeBatch:
                 use_cache=True,
             )
         return out.logits[:, -1, :]
+
+    def _decode_admitting(
+        self,
+        requests: Sequence[SequenceRequest],
+        budgets: list[int],
+        hits: Sequence[tuple[int, Any]],
+    ) -> tuple[Any, Any]:
+        """One forward of every live row's last token and of new prompts (as `_prefill`
+        takes them): the live rows' logits [B, V] and the prompts' last positions' [n, V].
+        Only batches that `fold` have it."""
+        raise NotImplementedError
 
     def _extract(self, row: int, n: int) -> tuple[Any, int]:
         """Row `row`'s KV for its first `n` positions, as the prefix cache keeps it: per

@@ -20,7 +20,8 @@ Semantics shared with the vLLM engine:
   gives the same tokens when run again, whoever shares its batch, up to float noise.
 
 `matmul_dtype="bfloat16"` runs the fast step's linear layers with bf16 weights and
-inputs (`fused.FastDecoder`), on a CPU where oneDNN multiplies bf16, and
+inputs (`fused.FastDecoder`), on a CPU where oneDNN multiplies bf16 (`"auto"`: bf16 on
+such a CPU, else fp32; `metrics()` says which), and
 `kv_dtype="bfloat16"` keeps its KV store (and so the prefix cache) in bf16: half the bytes
 a decode step streams, and log-probabilities a bf16 rounding away from the fp32 trainer's,
 a mismatch the loss's correction (`rl.correction`) weighs.
@@ -78,7 +79,7 @@ if TYPE_CHECKING:
 
 _SEED_MASK = (1 << 63) - 1
 NUMERICS = ("standard", "consistent")
-DTYPES = ("float32", "bfloat16")  # matmul_dtype's and kv_dtype's
+DTYPES = ("float32", "bfloat16")  # kv_dtype's; matmul_dtype's also "auto"
 
 
 def _plain_kv(model: Any) -> bool:
@@ -98,8 +99,9 @@ class _Counts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated: int = 0
-    prefills: int = 0
+    prefills: int = 0  # forwards of their own
     prefill_s: float = 0.0
+    folded: int = 0  # admissions prefilled in a decode step (their seconds are decode_s)
     decode_steps: int = 0
     decode_rows: int = 0
     decode_s: float = 0.0
@@ -133,12 +135,24 @@ def _check_settings(*, max_batch_size: int, batch_wait_s: float, numerics: str,
         raise EngineError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     if prefix_cache_mb < 0:
         raise EngineError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
-    for key, value in (("matmul_dtype", matmul_dtype), ("kv_dtype", kv_dtype)):
-        if value not in DTYPES:
-            raise EngineError(f"{key} must be one of {DTYPES}, got {value!r}")
+    for key, value, allowed in (("matmul_dtype", matmul_dtype, (*DTYPES, "auto")),
+                                ("kv_dtype", kv_dtype, DTYPES)):
+        if value not in allowed:
+            raise EngineError(f"{key} must be one of {allowed}, got {value!r}")
         if value != "float32" and numerics == "consistent":
             raise EngineError(f"{key} {value!r} is for the standard numerics: the consistent "
                               "batch computes what the trainer does, in the model's dtype")
+
+
+def resolve_matmul_dtype(model: Any, matmul_dtype: str) -> str:
+    """`matmul_dtype` as the engine runs it: "auto" is "bfloat16" where the model has the
+    fast step and oneDNN runs bf16 matmuls on this CPU (`fused.bf16_matmuls`), else
+    "float32"; the others are themselves."""
+    if matmul_dtype != "auto":
+        return matmul_dtype
+    from tidal.engine.fused import bf16_matmuls, unsupported
+
+    return "bfloat16" if unsupported(model) is None and bf16_matmuls() else "float32"
 
 
 def _make_fast_step(model: Any, matmul_dtype: str, kv_dtype: str) -> None:
@@ -200,7 +214,9 @@ class EmbeddedEngine:
             except ConsistencyError as e:
                 raise EngineError(str(e)) from e
         else:
+            matmul_dtype = resolve_matmul_dtype(self._model, matmul_dtype)
             _make_fast_step(self._model, matmul_dtype, kv_dtype)  # now, not on the first step
+        self._dtypes = {"matmul_dtype": matmul_dtype, "kv_dtype": kv_dtype}
         config = self._model.config
         self._vocab_size = int(config.vocab_size)
         self._max_context = int(config.max_position_embeddings)
@@ -278,8 +294,11 @@ class EmbeddedEngine:
         """What the engine did since the last call (the run logs it per step and per
         evaluation): requests, prompt tokens and how many of them the prefix cache served
         (`prefix_cache_hit_rate`), generated tokens, the worker's busy seconds split into
-        prefills (admitting calls) and decode steps, the mean live batch of a decode step,
-        `tokens_per_s` of busy time, and prefix-cache evictions."""
+        prefills (admitting calls in forwards of their own) and decode steps (the fast
+        batch's also prefill the calls admitted while rows run: `folded_prefills`), the
+        mean live batch of a decode step, `tokens_per_s` of busy time, prefix-cache
+        evictions, and the dtypes the decode step
+        runs in (`matmul_dtype` as resolved: "auto" is never reported)."""
         with self._counts_lock:
             c, self._counts = self._counts, _Counts()
         evicted = self._prefix.stats.evicted if self._prefix is not None else 0
@@ -294,11 +313,13 @@ class EmbeddedEngine:
             "busy_s": busy,
             "prefill_s": c.prefill_s,
             "prefills": c.prefills,
+            "folded_prefills": c.folded,
             "decode_s": c.decode_s,
             "decode_steps": c.decode_steps,
             "mean_batch": c.decode_rows / c.decode_steps if c.decode_steps else 0.0,
             "tokens_per_s": c.generated / busy if busy else 0.0,
             "prefix_cache_evicted": c_evicted,
+            **self._dtypes,
         }
 
     def generate(
@@ -499,16 +520,14 @@ class EmbeddedEngine:
         closing = False
         try:
             while True:
-                self._admit(batch, items)
-                self._finish(batch.pop_finished())
-                if not len(batch):
-                    break
-                t0, rows = time.perf_counter(), len(batch)
-                batch.step()
-                with self._counts_lock:
-                    self._counts.decode_s += time.perf_counter() - t0
-                    self._counts.decode_steps += 1
-                    self._counts.decode_rows += rows
+                if items and len(batch) and batch.folds:
+                    self._step(batch, items)  # their prompts prefilled in the decode step
+                else:
+                    self._admit(batch, items)
+                    self._finish(batch.pop_finished())
+                    if not len(batch):
+                        break
+                    self._step(batch, [])
                 items = []
                 if not closing and not self._update_waiting.is_set() and batch.can_merge:
                     items, closing = self._collect(self._max_batch - len(batch), 0.0)
@@ -523,12 +542,18 @@ class EmbeddedEngine:
         if closing:
             self._queue.put(None)  # seen while busy: let _serve see it again
 
-    def _admit(self, batch: DecodeBatch, items: list[_Pending]) -> None:
+    def _running(self, items: list[_Pending]) -> list[_Pending]:
+        """The items not cancelled meanwhile, marked running, with the policy version they
+        are sampled with."""
         live = [p for p in items if p.future.set_running_or_notify_cancel()]
-        if not live:
-            return
         for p in live:
             p.version = self._version
+        return live
+
+    def _admit(self, batch: DecodeBatch, items: list[_Pending]) -> None:
+        live = self._running(items)
+        if not live:
+            return
         size = len(batch) + len(live)
         t0 = time.perf_counter()
         batch.admit([p.request for p in live], live)
@@ -539,6 +564,22 @@ class EmbeddedEngine:
             self._counts.prompt_tokens += sum(len(p.request.prompt) for p in live)
         for p in live:
             p.batch_size = size
+
+    def _step(self, batch: DecodeBatch, items: list[_Pending]) -> None:
+        """One decode step of the batch; `items` join in it (`DecodeBatch.step`)."""
+        live = self._running(items)
+        t0, rows = time.perf_counter(), len(batch)
+        batch.step([p.request for p in live], live)
+        with self._counts_lock:
+            self._counts.decode_s += time.perf_counter() - t0
+            self._counts.decode_steps += 1
+            self._counts.decode_rows += rows
+            if live:
+                self._counts.folded += 1
+                self._counts.requests += len(live)
+                self._counts.prompt_tokens += sum(len(p.request.prompt) for p in live)
+        for p in live:
+            p.batch_size = rows + len(live)
 
     def _finish(self, done: list[tuple[_Pending, SequenceResult]]) -> None:
         """Hand finished sequences back to their callers."""

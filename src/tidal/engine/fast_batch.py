@@ -8,7 +8,10 @@ reads a sequence's slots and nothing else. So a prefill is as fast per token as 
 linear layers allow (no left padding among the prompts admitted together, no
 transformers forward), and sequences joining or leaving the batch copy no one's KV:
 transformers' cache, left-padded to the longest row, was copied whole at every
-admission and every retirement, and every row's attention read the padding too.
+admission and every retirement, and every row's attention read the padding too. For the
+same reason a prompt admitted while rows run is prefilled in their next decode step
+(`folds`): one forward, one pass over the weights, where a prefill of its own made every
+live row wait for it.
 
 Numerics: the standard engine's float noise (fused.py's docstring), not bit-identity with
 transformers' forward.
@@ -36,6 +39,7 @@ class FastDecodeBatch(RegionBatch):
     one KV head's keys of a region, which are then contiguous."""
 
     head_major = True
+    folds = True  # prompts admitted while rows run are prefilled in their decode step
 
     def __init__(
         self, model: Any, *, max_context: int, pad_id: int, prefix: PrefixCache | None = None

@@ -115,14 +115,16 @@ class RegionBatch(DecodeBatch):
         self._start = torch.tensor([at for _, at, _ in moves], dtype=torch.long,
                                    device=self._device)
 
-    def _prefill(
+    def _place(
         self,
         requests: Sequence[SequenceRequest],
         budgets: list[int],
         hits: Sequence[tuple[int, Any]],
-    ) -> Any:
-        """Reserve each prompt's region, copy its cached prefix (hits) into the region's
-        first slots, and run the rest."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Reserve each new prompt's region and copy its cached prefix (hits) into the
+        region's first slots. Returns the tokens left to run (ids, positions, and rows
+        numbered from 0 among the new ones), the new regions' starts, and the index of each
+        prompt's last token among them. The live rows' regions may have moved (`_start`)."""
         import torch
 
         lengths = [len(r.prompt) for r in requests]
@@ -147,9 +149,40 @@ class RegionBatch(DecodeBatch):
                            for i, (n, (c, _)) in enumerate(zip(lengths, hits, strict=True))])
         last = torch.tensor([n - c for n, (c, _) in zip(lengths, hits, strict=True)],
                             device=dev).cumsum(0) - 1
+        return ids_T, pos_T, row_T, starts_R, last
+
+    def _prefill(
+        self,
+        requests: Sequence[SequenceRequest],
+        budgets: list[int],
+        hits: Sequence[tuple[int, Any]],
+    ) -> Any:
+        """Place the new prompts (`_place`) and run what the prefix cache did not hold."""
+        import torch
+
+        ids_T, pos_T, row_T, starts_R, last = self._place(requests, budgets, hits)
         logits = self._run(ids_T, pos_T, row_T, starts_R, last)
         self._start = torch.cat([self._start, starts_R])
         return logits
+
+    def _decode_admitting(
+        self,
+        requests: Sequence[SequenceRequest],
+        budgets: list[int],
+        hits: Sequence[tuple[int, Any]],
+    ) -> tuple[Any, Any]:
+        """The live rows' last tokens, then the new prompts' (`_place`), as one flat list
+        through one `_run`: a decode step and a prefill for one pass over the weights."""
+        import torch
+
+        ids_T, pos_T, row_T, starts_R, last = self._place(requests, budgets, hits)
+        live = len(self._rows)
+        rows = torch.arange(live, device=self._device)
+        logits = self._run(torch.cat([self._last, ids_T]), torch.cat([self._next_pos, pos_T]),
+                           torch.cat([rows, row_T + live]), torch.cat([self._start, starts_R]),
+                           torch.cat([rows, last + live]))
+        self._start = torch.cat([self._start, starts_R])
+        return logits[:live], logits[live:]
 
     def _decode(self) -> Any:
         import torch

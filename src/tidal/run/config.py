@@ -151,12 +151,14 @@ class EngineConfig(_Section):
                       "factory returning an Engine)")
     max_batch_size: int = Field(16, ge=1, le=4096, description="kind = embedded: sequences "
                                 "one decode step runs at most (more wait for a free row)")
-    matmul_dtype: Literal["float32", "bfloat16"] = Field(
+    matmul_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="kind = embedded: the dtype of the decode step's linear layers "
         "(weights and inputs; the norms, attention and KV cache stay fp32). bfloat16 halves "
         "the bytes a step streams where oneDNN runs bf16 matmuls (AVX-512; natively "
-        "AVX512_BF16 or AMX), at the price of log-probabilities the fp32 trainer does not "
-        "reproduce exactly (rl.correction weighs the mismatch; docs/engine.md)")
+        "AVX512_BF16 or AMX; refused elsewhere), at the price of log-probabilities the fp32 "
+        "trainer does not reproduce exactly (rl.correction weighs the mismatch; "
+        "docs/engine.md); auto: bfloat16 where oneDNN runs it, else float32 (each step's "
+        "engine metrics say which)")
     kv_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="kind = embedded: the dtype of the KV cache (and of the "
         "prefix cache): bfloat16 halves the bytes the attention reads and the prefix cache "
