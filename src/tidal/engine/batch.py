@@ -17,7 +17,9 @@ here knows about queues, locks or weight versions (`embedded.py` feeds it), so i
 run to the end synchronously (`decode_batch`) and compared with single-sequence runs,
 and the region batches (`regions.py`: the consistent one and the fast one, which the
 engine runs for the models `fused.py` supports) replace only its model-specific part
-(`_prefill`, `_decode`, `_keep`, `_extract`, `can_merge`) and keep the bookkeeping.
+(`_prefill`, `_decode`, `_keep`, `_extract`, `can_merge`; the fast one also
+`_decode_admitting`, a decode step that prefills new prompts too) and keep the
+bookkeeping.
 This one is for the rest: other architectures, sliding-window caches, CUDA.
 
 Prefix caching: with a `PrefixCache` (`prefix.py`), a finished sequence's KV is kept,
@@ -78,7 +80,8 @@ class DecodeBatch:
     it joined or who shares the batch (up to floating-point noise). With a `prefix`
     cache, a finished sequence's KV is kept there and a new prompt prefills only what
     follows its longest cached prefix. The model-specific part (`_prefill`, `_decode`,
-    `_keep`, `_extract`, `can_merge`) is what the region batches (`regions.py`) replace.
+    `_keep`, `_extract`, `can_merge`, and `_decode_admitting` where the batch `folds`) is
+    what the region batches (`regions.py`) replace.
     """
 
     def __init__(

@@ -4,8 +4,9 @@
 `load_policy_model` (the trainer's loader too) and serves `generate` calls from any
 number of threads through a request queue and a worker thread doing continuous batching:
 an idle worker collects what arrives within `batch_wait_s` (up to `max_batch_size`
-sequences) into one prefill; while sequences run, queued ones are admitted into the
-running batch between decode steps, and finished ones are returned at once. The batch
+sequences) into one prefill; while sequences run, queued ones join the running batch at
+its next decode step (the fast batch prefills them in that step's forward: `folds`), and
+finished ones are returned at once. The batch
 itself, and with it the sampling loop and its numerics, is a `DecodeBatch` (`batch.py`),
 chosen by `batch_class`: for the models `fused.py` supports on CPU the fast one
 (`fast_batch.py`: fused weights, a region KV store, prefill and decode through the same

@@ -13,7 +13,8 @@ over as many slots as it copies).
 
 Prefill and decode are one operation on a flat list of tokens (`_run`): each token with
 its id, position and row; a prefill's are a prompt's tokens after its cached prefix, a
-decode step's each row's last sampled token. Subclasses supply the forward over it:
+decode step's each row's last sampled token, and a decode step that admits new prompts
+(`_decode_admitting`, where the batch `folds`) has both. Subclasses supply the forward:
 `consistent_batch.py` (the batch-invariant forward) and `fast_batch.py` (the fast fused
 step). A cached prefix (prefix caching) is copied into a new row's region before its
 other tokens run: a token's KV depends only on its ancestors, so the copy is what
