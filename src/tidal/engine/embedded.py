@@ -298,8 +298,8 @@ class EmbeddedEngine:
         prefills (admitting calls in forwards of their own) and decode steps (the fast
         batch's also prefill the calls admitted while rows run: `folded_prefills`), the
         mean live batch of a decode step, `tokens_per_s` of busy time, prefix-cache
-        evictions, and the dtypes the decode step
-        runs in (`matmul_dtype` as resolved: "auto" is never reported)."""
+        evictions, and the dtypes the decode step runs in (`matmul_dtype` as resolved:
+        "auto" is never reported)."""
         with self._counts_lock:
             c, self._counts = self._counts, _Counts()
         evicted = self._prefix.stats.evicted if self._prefix is not None else 0
