@@ -17,7 +17,8 @@ directory (its summary.json) instead of running it again. Per seed it also repor
 held-out success per task family at the start and the end (`families_*`: shell-skills'
 skills) at every evaluation, tool calls per episode beside success (held-out and per RL
 step: a rise cannot come from skipping the tools), the training success, groups replaced
-by dynamic sampling and rollout tokens a second per RL step, where the minutes went
+by dynamic sampling and rollout tokens a second per RL step (and over all of RL,
+rollouts and training: `rl_tokens_per_s`), where the minutes went
 (`phase_minutes`), and this machine's large-matmul rate (`large_matmul_gflops`, before
 and after the runs), since absolute minutes differ ~2x between machines of one kind.
 """
@@ -74,8 +75,14 @@ def run_seed(config: Path | None, seed: int, out: Path, reuse: bool = False) -> 
         "groups_replaced": [r.get("groups_replaced", 0) for r in rl],
         "rollout_tokens_per_s": [round(r.get("rollout_tokens_per_s", 0.0), 1) for r in rl],
         # every token sampled in the rollout time, dynamic sampling's re-rolls included
+        # (the trainer's wait for its batch: under elastic, rollouts also run while it
+        # trains, so this is no pace there)
         "generated_tokens_per_s": [round(generated(r) / r["rollout_s"], 1) for r in rl
                                    if r.get("rollout_s")],
+        # every token sampled over RL's seconds, rollouts and training (overlapped or not):
+        # the pace that compares schedules
+        "rl_tokens_per_s": round(sum(generated(r) for r in rl)
+                                 / max(sum(r["rollout_s"] + r["train_s"] for r in rl), 1e-9), 1),
         "phase_minutes": _phase_minutes(rows),
         "minutes": summary["minutes"],
         "wall_minutes": round((time.perf_counter() - t0) / 60, 2),
