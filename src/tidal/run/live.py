@@ -128,20 +128,27 @@ class LiveRollouts:
         return self.episodes.preempt(key)
 
 
+class PreemptibleGroups(GroupRunner, Protocol):
+    """A `GroupRunner` whose live groups can be stopped where they are (`LiveRollouts`)."""
+
+    def preempt(self, key: str) -> int:
+        """Stop the live group `key`: its `group(...)` raises `GroupPreempted`, and
+        `group(..., resume=key)` continues it. Returns the episodes stopped."""
+        ...
+
+
 @dataclass(frozen=True)
 class RolloutMigrator:
     """Moves a live task group between scheduler devices (`tidal.schedule.backend.
     Migrator`): `preempt` saves and stops it (`LiveRollouts.preempt`), `resumed` is the
     work that continues it (`LiveRollouts.group(..., resume=key)`). A group's key is its
-    first session id (`LiveEpisodes.open_group`)."""
+    first session id (`LiveEpisodes.open_group`): the first of the jobs its work runs
+    (`work.args[0]`; the dynamic sampling's work keeps them on the roll it is on)."""
 
-    rollouts: LiveRollouts
+    rollouts: PreemptibleGroups
 
     @staticmethod
     def key(work: Work) -> str:
-        resume = work.kwargs.get("resume")
-        if isinstance(resume, str):
-            return resume
         jobs = work.args[0]
         return str(jobs[0][1])
 

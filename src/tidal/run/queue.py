@@ -162,6 +162,7 @@ class RolloutQueue:
         self._train_reward = train_reward  # what RL trains on (rl.reward): alike under it
         self._lock = threading.Lock()  # rolls again run in the scheduler's threads
         self._replaced: list[Replaced] = []
+        self._attempts: dict[int, int] = {}  # scheduled group -> times rolled again
         self._todo = steps * tasks_per_step  # groups still to queue
         self._lost = 0  # groups dropped as stale or failed, replaced so far
 
@@ -251,28 +252,33 @@ class RolloutQueue:
         self._group_sids.update(zip(ids, held, strict=True))
 
     def _informative(self, jobs: list[tuple[Task, str]], step: int, group: int,
-                     sids: list[str]) -> RolloutResult:
+                     sids: list[str], resume: str | None = None) -> RolloutResult:
         """One scheduled group under dynamic sampling: rolled again on a fresh task of
         the same family while all its samples score alike, `rollout.dynamic_sampling`
-        times at most (then the last roll stands). `sids` follows the last roll. A kill
+        times at most (then the last roll stands). `jobs` and `sids` follow the roll the
+        group is on, in place: a live group moved to another device
+        (`tidal.run.live.RolloutMigrator`, whose key is `jobs`' first session) continues
+        that roll (`resume`, its key), and its rolls again go on from there. A kill
         between a roll again and the step's checkpoint leaves the replaced sessions
         committed and untrained: the resumed run carries them into its first batch."""
-        res = self._roll(jobs)
-        for attempt in range(1, self._resample + 1):
+        res = self._roll(list(jobs), resume=resume)
+        while (attempt := self._attempts.get(group, 0) + 1) <= self._resample:
             episodes: list[Episode] = res.value
             task = self._draws.fresh(step, group, attempt, like=jobs[0][0])
             if len({self._train_reward(e.reward) for e in episodes}) > 1 or task is None:
                 break
             self._live.close_group(jobs[0][1])  # finished: nothing of it to resume
             with self._lock:
+                self._attempts[group] = attempt
                 self._replaced.append(Replaced(
                     jobs[0][0].task_id, tuple(e.reward for e in episodes),
                     tuple(s for e in episodes for s in e.session_ids)))
-            jobs = [(task, new_session_id("rl", step, task.task_id, k)) for k in range(self._g)]
+            jobs[:] = [(task, new_session_id("rl", step, task.task_id, k))
+                       for k in range(self._g)]
             self._store.record_meta({sid: SessionMeta("rl", step, task.task_id, k)
                                      for k, (_t, sid) in enumerate(jobs)})
             sids[:] = [sid for _, sid in jobs]
-            res = self._roll(jobs)
+            res = self._roll(list(jobs))
         return res
 
     def _resume(self, pending: list[LiveGroup]) -> int:

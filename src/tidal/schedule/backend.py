@@ -102,7 +102,7 @@ BackendEvent = Finished | Failed | SwitchDone | Migrated
 
 class Migrator(Protocol):
     """What moving a live session needs from the one who made its work (`tidal run`'s
-    rollouts: `tidal.run.rollout.RolloutMigrator`): stop it after saving its state, and
+    rollouts: `tidal.run.live.RolloutMigrator`): stop it after saving its state, and
     the work that continues it from that state."""
 
     def preempt(self, work: Work) -> None:
