@@ -41,6 +41,9 @@ def test_default_round_trips_through_toml(tmp_path: Path) -> None:
         ("[rl]\nnumerics = 'exact'\n", r"rl\.numerics"),
         ("[rl]\nnumerics = 'consistent'\n[rollout]\ntemperature = 0.7\n",
          "needs rollout.temperature = 1.0"),
+        ("[rl]\nnumerics = 'consistent'\n[train]\nmatmul_dtype = 'auto'\n",
+         "needs train.matmul_dtype = \"float32\""),
+        ("[train]\nmatmul_dtype = 'float16'\n", r"train\.matmul_dtype"),
         ("[schedule]\nbackend = 'ray'\n[engine]\nkind = 'vllm'\n",
          r"schedule\.backend = \"ray\" runs the embedded engine on every host"),
         ("[schedule]\nbackend = 'slurm'\n", r"schedule\.backend 'slurm' is neither a "

@@ -405,13 +405,14 @@ def trainer_spec(cfg: RunConfig, weights_dir: Path, ckpt: Path | None, *,
         world_size=t.world_size, nodes=t.nodes, lora=lora,
         activation_checkpointing=t.activation_checkpointing,
         state_dir=str(state.resolve()) if state is not None and state.exists() else None,
-        threads=threads if t.world_size > 1 else t.threads)
+        threads=threads if t.world_size > 1 else t.threads, matmul_dtype=t.matmul_dtype)
 
 
 def check_trainer(cfg: RunConfig, weights_dir: Path, *, device: str) -> None:
     """What the machine must have for `[train]`, checked before anything starts: as
-    many devices (CUDA) or cores (CPU) as ranks on this node, and LoRA targets that the
-    model has (on a skeleton of it: nothing loads)."""
+    many devices (CUDA) or cores (CPU) as ranks on this node, bf16 matmuls where
+    `train.matmul_dtype = "bfloat16"`, and LoRA targets that the model has (on a skeleton
+    of it: nothing loads)."""
     import os
 
     t = cfg.train
@@ -427,6 +428,15 @@ def check_trainer(cfg: RunConfig, weights_dir: Path, *, device: str) -> None:
         elif per_node > (os.cpu_count() or 1):
             raise ComponentError(f"train.world_size = {t.world_size} ranks exceed this "
                                  f"machine's {os.cpu_count()} CPU cores (one rank per core)")
+    if t.matmul_dtype == "bfloat16" and t.nodes == 1:
+        import torch
+
+        from tidal.train.precision import resolve_matmul_dtype
+
+        try:
+            resolve_matmul_dtype(t.matmul_dtype, torch.device(device.partition(":")[0]))
+        except ValueError as e:
+            raise ComponentError(str(e)) from None
     if t.lora is not None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM

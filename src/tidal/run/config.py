@@ -369,6 +369,14 @@ class TrainConfig(_Section):
         "long contexts, about one more forward)")
     threads: int = Field(0, ge=0, description="torch threads per trainer rank (0: the "
                          "machine's cores divided among the ranks)")
+    matmul_dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="the dtype the trainer's linear layers multiply in (the warm "
+        "start's and RL's): bfloat16 rounds their inputs and weights to bf16 and hands the "
+        "products back in fp32, as engine.matmul_dtype does, while the weights, gradients, "
+        "optimizer state and every other op stay fp32 (tidal.train.precision). About half "
+        "a matmul's time where the device multiplies bf16 natively (CUDA; a CPU with "
+        "AVX512_BF16 or AMX; refused elsewhere); auto: bfloat16 where it does, else "
+        "float32 (each RL step's row says which: train_matmul_dtype)")
 
     @model_validator(mode="after")
     def _layout(self) -> TrainConfig:
@@ -468,6 +476,10 @@ class RunConfig(_Section):
                 raise ValueError(f"rl.numerics = \"consistent\" needs engine.{key} = "
                                  f"\"float32\" (got {value!r}): bf16 is not what the "
                                  "trainer computes")
+        if self.rl.numerics == "consistent" and self.train.matmul_dtype != "float32":
+            raise ValueError(f"rl.numerics = \"consistent\" needs train.matmul_dtype = "
+                             f"\"float32\" (got {self.train.matmul_dtype!r}): the consistent "
+                             "forward is the engine's fp32 one")
         if self.rl.numerics == "consistent" and self.rollout.temperature != 1.0:
             raise ValueError(
                 "rl.numerics = \"consistent\" needs rollout.temperature = 1.0: the trainer's "

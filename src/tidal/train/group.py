@@ -54,6 +54,7 @@ from tidal.train.distributed import (
 from tidal.train.heap import release_free_heap
 from tidal.train.lora import LoraSpec, apply_lora, merged_state_dict
 from tidal.train.loss import LossConfig
+from tidal.train.precision import MatmulDtype, matmuls, resolve_matmul_dtype
 from tidal.train.trainer import StepMetrics, TargetLM, TreeTrainer
 from tidal.train.warmstart import Example, warm_start
 from tidal.tree.types import TrainTree
@@ -82,6 +83,7 @@ class TrainerSpec:
     activation_checkpointing: bool = False
     state_dir: str | None = None  # a DCP training state to continue from
     threads: int = 0  # torch threads of ranks 1..N-1 (0: torch's default)
+    matmul_dtype: MatmulDtype = "float32"  # the linear layers' (tidal.train.precision)
     timeout_s: float = 1800.0  # a collective that waits longer fails
 
     def to_json(self) -> str:
@@ -126,6 +128,7 @@ class RankTrainer:
             torch.set_num_threads(spec.threads)
         self.spec, self.ranks = spec, ranks
         self.device = _rank_device(spec, ranks)
+        self.matmul_dtype = resolve_matmul_dtype(spec.matmul_dtype, self.device)
         if ranks.distributed:
             model = self._sharded(spec, ranks)
         else:
@@ -173,7 +176,8 @@ class RankTrainer:
     def step(self, trees: Sequence[TrainTree]) -> StepMetrics:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        m = self.trainer.step(trees)
+        with matmuls(self.matmul_dtype):
+            m = self.trainer.step(trees)
         self.updates += 1
         release_free_heap()  # the step's freed activations: back to the system
         self.peak_memory_mb = self.ranks.gather_floats(peak_memory_mb(self.device))
@@ -190,8 +194,9 @@ class RankTrainer:
 
     def warm_start(self, examples: Sequence[Example], plan: WarmStartPlan,
                    on_step: Callable[[int, float, float], None] | None = None) -> list[float]:
-        losses = warm_start(self.model, examples, batches=plan.batches, lr=plan.lr,
-                            pad_id=plan.pad_id, on_step=on_step, ranks=self.ranks)
+        with matmuls(self.matmul_dtype):
+            losses = warm_start(self.model, examples, batches=plan.batches, lr=plan.lr,
+                                pad_id=plan.pad_id, on_step=on_step, ranks=self.ranks)
         self.updates += 1
         release_free_heap()
         return losses
@@ -412,9 +417,12 @@ class TrainerGroup:
             self._call("save", str(out))
 
     def metrics(self) -> dict[str, Any]:
-        """What a step row carries about the trainer: world size, each rank's peak MB."""
+        """What a step row carries about the trainer: world size, each rank's peak MB,
+        the dtype its linear layers multiply in."""
+        one = self._one()
         return {"world_size": self.world_size,
-                "peak_memory_mb_per_rank": [round(x, 1) for x in self._one().peak_memory_mb]}
+                "peak_memory_mb_per_rank": [round(x, 1) for x in one.peak_memory_mb],
+                "train_matmul_dtype": str(one.matmul_dtype).removeprefix("torch.")}
 
     def close(self) -> None:
         if self.world_size == 1:
