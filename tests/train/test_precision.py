@@ -77,3 +77,19 @@ def test_a_trainer_step_in_bf16_is_a_rounding_of_fp32s() -> None:
     assert m16.loss == pytest.approx(m32.loss, rel=5e-2, abs=1e-3)
     assert m16.loss != m32.loss
     assert 0.0 < diff < 1e-2  # Adam moves each weight by ~lr: the rounding moves less
+
+
+def test_recomputed_activations_multiply_in_bf16_too() -> None:
+    """With activation checkpointing the backward recomputes each layer's forward: in the
+    step's dtype too, so the update is the one without checkpointing, bit for bit."""
+    rng = np.random.default_rng(1)
+    trees = [random_tree(rng, f"t{i}", n_segments=5, vocab=200, max_len=12) for i in range(4)]
+    states = []
+    for checkpointing in (False, True):
+        spec = TrainerSpec(weights_dir=str(ensure_tiny(seed=0)), device="cpu", lr=1e-3,
+                           loss=LossConfig(), max_tokens=64, matmul_dtype="auto",
+                           activation_checkpointing=checkpointing)
+        group = TrainerGroup(spec).start()
+        group.step(trees)
+        states.append(group.state_dict())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

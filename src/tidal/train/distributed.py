@@ -149,6 +149,8 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
     are unchanged. Gradients are the same (tested)."""
     from torch.utils.checkpoint import checkpoint
 
+    from tidal.train.precision import matmul_dtype, matmuls
+
     for layer in decoder_layers(model):
         if getattr(layer, "_tidal_checkpointed", False):
             continue
@@ -157,7 +159,14 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
         def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            dtype = matmul_dtype()  # the recomputation multiplies as the forward did
+
+            def contexts() -> tuple[contextlib.AbstractContextManager[None],
+                                    contextlib.AbstractContextManager[None]]:
+                return contextlib.nullcontext(), matmuls(dtype)
+
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=contexts,
+                              **kwargs)
 
         layer.forward = functools.wraps(inner)(forward)
         layer._tidal_checkpointed = True  # type: ignore[assignment]

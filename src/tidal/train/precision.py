@@ -19,6 +19,7 @@ from fp32's, as the engine's are: `rl.correction` weighs what differs between th
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, Literal
 
@@ -49,15 +50,31 @@ class _LinearIn(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_current = threading.local()
+
+
 @contextlib.contextmanager
 def matmuls(dtype: torch.dtype) -> Iterator[None]:
     """The policy's linear layers in `dtype` while the context is open (fp32: as they
     are)."""
-    if dtype == torch.float32:
-        yield
-        return
-    with _LinearIn(dtype):
-        yield
+    outer = matmul_dtype()
+    _current.dtype = dtype
+    try:
+        if dtype == torch.float32:
+            yield
+        else:
+            with _LinearIn(dtype):
+                yield
+    finally:
+        _current.dtype = outer
+
+
+def matmul_dtype() -> torch.dtype:
+    """The dtype `matmuls` has the linear layers in, in this thread (fp32 outside it).
+    What a layer's forward recomputed in backward (activation checkpointing) must run in
+    again: the autograd engine does not carry the context into it."""
+    dtype: torch.dtype = getattr(_current, "dtype", torch.float32)
+    return dtype
 
 
 def bf16_runs(device: torch.device) -> bool:
