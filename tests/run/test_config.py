@@ -83,4 +83,5 @@ def test_the_example_configs_load(name: str) -> None:
         assert (cfg.tasks.train_size, cfg.tasks.heldout_size) == (240, 64)
         # bf16 matmuls where oneDNN runs them, a bf16 KV cache (docs/agent.md)
         assert (cfg.engine.matmul_dtype, cfg.engine.kv_dtype) == ("auto", "bfloat16")
+        assert cfg.train.matmul_dtype == "auto"  # the trainer's too (docs/agent.md)
     assert "run-real" in (root / "Makefile").read_text()

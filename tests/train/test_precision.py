@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from tests.train.conftest import adam_close
 from tests.train.synthetic import random_tree
 from tidal.engine.fused import bf16_matmuls
 from tidal.engine.tiny import ensure_tiny
@@ -93,3 +94,34 @@ def test_recomputed_activations_multiply_in_bf16_too() -> None:
         group.step(trees)
         states.append(group.state_dict())
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+@pytest.mark.slow
+def test_two_process_ranks_in_bf16_train_as_one_rank() -> None:
+    """FSDP2 over two process ranks, `train.matmul_dtype = "auto"`: the spec reaches the
+    other rank, which multiplies as rank 0 does, and the step is one bf16 rank's."""
+    rng = np.random.default_rng(2)
+    trees = [random_tree(rng, f"t{i}", n_segments=5, vocab=200, max_len=12) for i in range(4)]
+
+    def spec(world: int) -> TrainerSpec:
+        return TrainerSpec(weights_dir=str(ensure_tiny(seed=0)), device="cpu", lr=1e-3,
+                           loss=LossConfig(), max_tokens=64, world_size=world, threads=1,
+                           matmul_dtype="auto")
+
+    one = TrainerGroup(spec(1)).start()
+    m1 = one.step(trees)
+    sd1 = one.state_dict()
+    two = TrainerGroup(spec(2)).start()
+    try:
+        m2 = two.step(trees)
+        sd2 = two.state_dict()
+        assert two.metrics()["train_matmul_dtype"] == one.metrics()["train_matmul_dtype"]
+    finally:
+        two.close()
+    assert m2.tokens == m1.tokens
+    assert m2.loss == pytest.approx(m1.loss, rel=1e-5, abs=1e-7)
+    # a bf16 gradient near 0 (a bias's) is rounding noise, and Adam's first step is
+    # lr x its sign: the two sides differ by at most their two steps there
+    assert all(float((sd2[k] - v).abs().max()) <= 2e-3 for k, v in sd1.items())
+    close = [k for k, v in sd1.items() if adam_close(k, sd2[k], v, lr=1e-3)]
+    assert len(close) >= len(sd1) - 4, set(sd1) - set(close)
